@@ -1,0 +1,211 @@
+"""Inline PTX for smsplit's Triton kernels: the one place where PTX is written.
+
+Every intrinsic is a ``@triton.jit`` function that works elementwise on blocks (or on scalars),
+so it composes with ordinary Triton code. ``tests/test_ptx.py`` compiles a small kernel around each
+one for sm_90 and checks that the instruction reaches the PTX and the cubin assembles.
+
+Flag writes (``st_release_*``, ``atom_add_release_*``) take a scalar address and run in thread 0
+of the program only, so a flag is written once per program, not once per thread. A release orders
+the writing thread's own earlier accesses: put ``tl.debug_barrier()`` (``bar.sync``) before it so
+that every thread's data writes are ordered before the flag. Loads run in every thread.
+
+Memory-ordering helpers come in two scopes: ``gpu`` (other blocks on the same GPU) and ``sys``
+(peers over NVLink, the host). The 16-byte accessors move four 32-bit words per element; the
+address must be 16-byte aligned. ``mask`` arguments are int1/int32 blocks: where zero, the load
+returns zeros and the store does nothing.
+"""
+
+import triton
+import triton.language as tl
+
+# --- where and when ----------------------------------------------------------------------------
+
+
+@triton.jit
+def smid():
+    """Id of the SM this thread runs on (``%smid``), int32."""
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def globaltimer():
+    """Global nanosecond timer (``%globaltimer``), int64. Shared by all SMs of a GPU; it ticks
+    in steps of about a microsecond on Hopper."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+# --- 16-byte streaming accesses ------------------------------------------------------------------
+
+
+@triton.jit
+def ld_global_nc_v4(ptr, mask):
+    """16-byte read-only load that bypasses L1 and prefetches 256 B into L2
+    (``ld.global.nc.L1::no_allocate.L2::256B.v4.b32``). ``ptr`` points at int32 words, 16-byte
+    aligned. Returns four int32 blocks (the words at ptr, ptr+1, ptr+2, ptr+3)."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $5, 0;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        @p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];
+        }
+        """,
+        "=r,=r,=r,=r,l,r",
+        [ptr, tl.cast(mask, tl.int32)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def st_global_na_v4(ptr, w0, w1, w2, w3, mask):
+    """16-byte store that does not allocate in L1 (``st.global.L1::no_allocate.v4.b32``).
+    Returns a dummy int32 block (inline asm needs an output)."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $6, 0;
+        mov.b32 $0, 0;
+        @p st.global.L1::no_allocate.v4.b32 [$1], {$2, $3, $4, $5};
+        }
+        """,
+        "=r,l,r,r,r,r,r",
+        [ptr, w0, w1, w2, w3, tl.cast(mask, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+# --- flags: acquire / release ----------------------------------------------------------------------
+
+
+@triton.jit
+def ld_acquire_gpu(ptr):
+    """``ld.acquire.gpu.global.b32``: int32 load ordered before all later accesses (GPU scope)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def ld_acquire_sys(ptr):
+    """``ld.acquire.sys.global.b32``: acquire load that also sees peers' and the host's writes."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def st_release_gpu(ptr, value):
+    """``st.release.gpu.global.b32``: int32 store ordered after all earlier accesses (GPU scope)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
+        "@p st.release.gpu.global.b32 [$1], $2; }",
+        "=r,l,r",
+        [ptr, tl.cast(value, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def st_release_sys(ptr, value):
+    """``st.release.sys.global.b32``: release store visible to peers over NVLink."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
+        "@p st.release.sys.global.b32 [$1], $2; }",
+        "=r,l,r",
+        [ptr, tl.cast(value, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def atom_add_release_gpu(ptr, value):
+    """``atom.release.gpu.global.add.s32`` by thread 0; returns the old value there, 0 elsewhere."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
+        "@p atom.release.gpu.global.add.s32 $0, [$1], $2; }",
+        "=r,l,r",
+        [ptr, tl.cast(value, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def atom_add_release_sys(ptr, value):
+    """``atom.release.sys.global.add.s32`` by thread 0; returns the old value there, 0 elsewhere."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
+        "@p atom.release.sys.global.add.s32 $0, [$1], $2; }",
+        "=r,l,r",
+        [ptr, tl.cast(value, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def fence_acq_rel_sys():
+    """``fence.acq_rel.sys``: orders this thread's earlier and later accesses system-wide."""
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.sys;\n\tmov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def fence_acq_rel_gpu():
+    """``fence.acq_rel.gpu``: orders this thread's earlier and later accesses GPU-wide."""
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n\tmov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+# The instruction each intrinsic must put into the PTX (checked by the compile tests).
+INSTRUCTIONS = {
+    "smid": "%smid",
+    "globaltimer": "%globaltimer",
+    "ld_global_nc_v4": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
+    "st_global_na_v4": "st.global.L1::no_allocate.v4.b32",
+    "ld_acquire_gpu": "ld.acquire.gpu.global.b32",
+    "ld_acquire_sys": "ld.acquire.sys.global.b32",
+    "st_release_gpu": "st.release.gpu.global.b32",
+    "st_release_sys": "st.release.sys.global.b32",
+    "atom_add_release_gpu": "atom.release.gpu.global.add.s32",
+    "atom_add_release_sys": "atom.release.sys.global.add.s32",
+    "fence_acq_rel_sys": "fence.acq_rel.sys",
+    "fence_acq_rel_gpu": "fence.acq_rel.gpu",
+}
+
+
+def compile_for_sm90(fn, signature, constexprs=None, num_warps=4):
+    """Compile a ``@triton.jit`` kernel for Hopper (sm_90) without a GPU.
+
+    Returns ``(ptx, cubin)``. Used by the CPU tests to check that every kernel builds and holds the
+    instructions it was written for.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs or {})
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    return compiled.asm["ptx"], compiled.asm["cubin"]
