@@ -1,0 +1,177 @@
+"""FP8 (e4m3) block quantization in DeepSeek-V3's layout.
+
+Activations are quantized in 1x128 tiles (one fp32 scale per 128 consecutive values of a row), weights in
+128x128 blocks. A scale is ``amax / 448`` (448 is e4m3's largest finite value), with ``amax`` clamped to at least
+``AMAX_FLOOR`` so that an all-zero tile gets a finite, non-zero scale; ``x_fp8 * scale`` recovers ``x``.
+This is the convention of DeepEP and DeepGEMM (``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``):
+scales of a ``[tokens, hidden]`` activation have shape ``[tokens, hidden // 128]`` and dtype ``torch.float32``.
+
+``quantize_1x128`` and the other plain functions are the torch reference (any device);
+``quantize_1x128_triton`` is the same computation as one Triton kernel, for CUDA tensors.
+"""
+
+from typing import Tuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+AMAX_FLOOR = 1e-4
+
+
+def _check_1x128_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise ValueError(f"x: expected a bfloat16/float16/float32 tensor, got {x.dtype}")
+    if x.dim() < 1 or x.size(-1) % BLOCK != 0:
+        raise ValueError(f"x: the last dimension must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+
+
+def quantize_1x128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    Quantize activations to e4m3 with one fp32 scale per 128 consecutive values of the last dimension.
+
+    Arguments:
+        x: `[..., hidden]` floating-point tensor, `hidden` a multiple of 128.
+
+    Returns:
+        x_fp8: `[..., hidden]` with `torch.float8_e4m3fn`.
+        scales: `[..., hidden // 128]` with `torch.float32`; `x ~= x_fp8.float() * scales` repeated over each tile.
+    """
+    _check_1x128_input(x)
+    tiles = x.float().unflatten(-1, (x.size(-1) // BLOCK, BLOCK))
+    amax = tiles.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR)
+    x_fp8 = (tiles * (FP8_MAX / amax)).to(FP8_DTYPE).flatten(-2)
+    return x_fp8, (amax / FP8_MAX).squeeze(-1)
+
+
+def dequantize_1x128(x_fp8: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """
+    Undo `quantize_1x128`.
+
+    Arguments:
+        x_fp8: `[..., hidden]` with `torch.float8_e4m3fn`.
+        scales: `[..., hidden // 128]` with `torch.float32`.
+        dtype: the dtype of the result.
+
+    Returns:
+        x: `[..., hidden]` with `dtype`, computed in fp32 as `x_fp8 * scale` and then cast.
+    """
+    if x_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"x_fp8: expected {FP8_DTYPE}, got {x_fp8.dtype}")
+    if x_fp8.dim() < 1 or x_fp8.size(-1) % BLOCK != 0:
+        raise ValueError(f"x_fp8: the last dimension must be a multiple of {BLOCK}, got {tuple(x_fp8.shape)}")
+    expected = (*x_fp8.shape[:-1], x_fp8.size(-1) // BLOCK)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
+        raise ValueError(f"scales: expected float32 of shape {expected}, got {scales.dtype} {tuple(scales.shape)}")
+    tiles = x_fp8.float().unflatten(-1, (x_fp8.size(-1) // BLOCK, BLOCK))
+    return (tiles * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def quantize_128x128(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    Quantize a weight matrix to e4m3 with one fp32 scale per 128x128 block.
+
+    Arguments:
+        w: `[m, n]` floating-point tensor; `m` and `n` need not be multiples of 128 (edge blocks are partial).
+
+    Returns:
+        w_fp8: `[m, n]` with `torch.float8_e4m3fn`.
+        scales: `[ceil(m / 128), ceil(n / 128)]` with `torch.float32`.
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"w: expected a 2-D tensor, got {getattr(w, 'shape', type(w).__name__)}")
+    if not w.is_floating_point() or w.dtype == FP8_DTYPE:
+        raise ValueError(f"w: expected a bfloat16/float16/float32 tensor, got {w.dtype}")
+    m, n = w.shape
+    mb, nb = -(-m // BLOCK), -(-n // BLOCK)
+    padded = torch.zeros(mb * BLOCK, nb * BLOCK, dtype=torch.float32, device=w.device)
+    padded[:m, :n] = w.float()
+    blocks = padded.view(mb, BLOCK, nb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
+    w_fp8 = (blocks * (FP8_MAX / amax)).to(FP8_DTYPE).view(mb * BLOCK, nb * BLOCK)[:m, :n].contiguous()
+    return w_fp8, (amax / FP8_MAX).view(mb, nb)
+
+
+def dequantize_128x128(w_fp8: torch.Tensor, scales: torch.Tensor,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """
+    Undo `quantize_128x128`.
+
+    Arguments:
+        w_fp8: `[m, n]` with `torch.float8_e4m3fn`.
+        scales: `[ceil(m / 128), ceil(n / 128)]` with `torch.float32`.
+        dtype: the dtype of the result.
+
+    Returns:
+        w: `[m, n]` with `dtype`.
+    """
+    if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2:
+        raise ValueError(f"w_fp8: expected a 2-D {FP8_DTYPE} tensor, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    m, n = w_fp8.shape
+    expected = (-(-m // BLOCK), -(-n // BLOCK))
+    if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
+        raise ValueError(f"scales: expected float32 of shape {expected}, got {scales.dtype} {tuple(scales.shape)}")
+    full_scales = scales.repeat_interleave(BLOCK, 0)[:m].repeat_interleave(BLOCK, 1)[:, :n]
+    return (w_fp8.float() * full_scales).to(dtype)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without Triton use the torch reference everywhere
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,
+                              BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr):
+        # Program (i, j) quantizes tile column j of rows [i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS).
+        row_block = tl.program_id(0)
+        tile = tl.program_id(1)
+        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = tile * TILE + tl.arange(0, TILE)
+        row_ok = rows < num_rows
+        offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+        x_fp8 = (x * (448.0 / amax)[:, None]).to(tl.float8e4nv)
+        tl.store(x_fp8_ptr + offsets, x_fp8, mask=row_ok[:, None])
+        tl.store(scales_ptr + rows.to(tl.int64) * (hidden // TILE) + tile, amax / 448.0, mask=row_ok)
+
+
+QUANTIZE_BLOCK_ROWS = 16
+
+
+def quantize_1x128_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    `quantize_1x128` as one Triton kernel launch (CUDA tensors; needs a GPU with FP8 support, sm_89+).
+
+    Arguments:
+        x: `[..., hidden]` bfloat16/float16/float32 CUDA tensor, `hidden` a multiple of 128.
+
+    Returns:
+        x_fp8, scales: as `quantize_1x128`.
+    """
+    if triton is None:
+        raise RuntimeError("quantize_1x128_triton needs Triton; use quantize_1x128")
+    _check_1x128_input(x)
+    x2d = x.reshape(-1, x.size(-1)).contiguous()
+    num_rows, hidden = x2d.shape
+    x_fp8 = torch.empty(x2d.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(num_rows, hidden // BLOCK, dtype=torch.float32, device=x.device)
+    if num_rows > 0:
+        grid = (triton.cdiv(num_rows, QUANTIZE_BLOCK_ROWS), hidden // BLOCK)
+        quantize_1x128_kernel[grid](x2d, x_fp8, scales, num_rows, hidden,
+                                    BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, TILE=BLOCK)
+    return x_fp8.view(x.shape), scales.view(*x.shape[:-1], hidden // BLOCK)
+
+
+def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_1x128_triton` for CUDA tensors, `quantize_1x128` elsewhere."""
+    if x.is_cuda and triton is not None:
+        return quantize_1x128_triton(x)
+    return quantize_1x128(x)

@@ -1,0 +1,142 @@
+import re
+
+import pytest
+import torch
+
+from smsplit import fp8
+
+# Every finite e4m3 value, for a brute-force nearest-value oracle independent of torch's cast.
+_ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_FINITE_E4M3 = torch.unique(_ALL_E4M3[torch.isfinite(_ALL_E4M3)])
+
+
+def nearest_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """For each value, the set of e4m3 values at minimal distance (a tie gives two): returns (lo, hi)."""
+    dist = (values.reshape(-1, 1) - _FINITE_E4M3.reshape(1, -1)).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    is_best = dist == best
+    lo = torch.where(is_best, _FINITE_E4M3, torch.inf).min(dim=1).values
+    hi = torch.where(is_best, _FINITE_E4M3, -torch.inf).max(dim=1).values
+    return lo.view(values.shape), hi.view(values.shape)
+
+
+def loop_tile_amax(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.size(-1)).float()
+    out = torch.empty(rows.size(0), rows.size(1) // 128)
+    for r in range(rows.size(0)):
+        for t in range(rows.size(1) // 128):
+            out[r, t] = rows[r, t * 128:(t + 1) * 128].abs().max()
+    return out.view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 256), (2, 3, 384), (1, 7168)])
+def test_quantize_1x128_scales_and_rounding(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    x_fp8, scales = fp8.quantize_1x128(x)
+    assert x_fp8.dtype == torch.float8_e4m3fn and x_fp8.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (*shape[:-1], shape[-1] // 128)
+
+    amax = loop_tile_amax(x)
+    torch.testing.assert_close(scales, amax.clamp(min=1e-4) / 448.0, rtol=0, atol=0)
+
+    # Each code must be the e4m3 value nearest to x / scale (either neighbour on an exact tie).
+    scaled = x.float() * (448.0 / amax.clamp(min=1e-4)).repeat_interleave(128, dim=-1)
+    lo, hi = nearest_e4m3(scaled)
+    got = x_fp8.float()
+    assert bool(((got == lo) | (got == hi)).all())
+    # The tile maximum maps to +-448 exactly.
+    assert bool((x_fp8.float().abs().unflatten(-1, (-1, 128)).amax(-1) == 448.0).all())
+
+
+def test_dequantize_1x128_round_trip_error_bound():
+    torch.manual_seed(1)
+    x = torch.randn(9, 1024, dtype=torch.bfloat16) * 5
+    x_fp8, scales = fp8.quantize_1x128(x)
+    back = fp8.dequantize_1x128(x_fp8, scales, dtype=torch.float32)
+    # e4m3 has 3 mantissa bits: half an ulp is 2^-4 relative; subnormals (below 2^-6) have step 2^-9 * scale.
+    step = scales.repeat_interleave(128, dim=-1)
+    bound = x.float().abs() * 2 ** -4 + step * 2 ** -9
+    assert bool(((back - x.float()).abs() <= bound).all())
+    assert fp8.dequantize_1x128(x_fp8, scales).dtype == torch.bfloat16
+
+
+def test_zero_tile_has_finite_scale():
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    x[1, 128:] = 1.0
+    x_fp8, scales = fp8.quantize_1x128(x)
+    assert bool(torch.isfinite(scales).all()) and bool((scales > 0).all())
+    assert bool((x_fp8.float()[0] == 0).all())
+    assert scales[1, 1].item() == pytest.approx(1.0 / 448.0)
+    assert bool((fp8.dequantize_1x128(x_fp8, scales)[1] == x[1]).all())
+
+
+def test_1x128_argument_errors():
+    with pytest.raises(ValueError, match="x:"):
+        fp8.quantize_1x128(torch.randn(4, 100))
+    with pytest.raises(ValueError, match="x:"):
+        fp8.quantize_1x128(torch.randint(0, 3, (4, 128)))
+    x_fp8, scales = fp8.quantize_1x128(torch.randn(4, 256))
+    with pytest.raises(ValueError, match="scales:"):
+        fp8.dequantize_1x128(x_fp8, scales[:, :1])
+    with pytest.raises(ValueError, match="x_fp8:"):
+        fp8.dequantize_1x128(x_fp8.float(), scales)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 129)])
+def test_quantize_128x128(shape):
+    torch.manual_seed(2)
+    w = torch.randn(shape, dtype=torch.bfloat16) * 0.02
+    w[:64, :64] *= 1000  # one block with a much larger range than its neighbours
+    w_fp8, scales = fp8.quantize_128x128(w)
+    m, n = shape
+    assert w_fp8.shape == w.shape and scales.shape == (-(-m // 128), -(-n // 128))
+    for i in range(scales.size(0)):
+        for j in range(scales.size(1)):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = block.abs().max().clamp(min=1e-4)
+            assert scales[i, j].item() == (amax / 448.0).item()
+            lo, hi = nearest_e4m3(block * (448.0 / amax))
+            got = w_fp8[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            assert bool(((got == lo) | (got == hi)).all())
+    back = fp8.dequantize_128x128(w_fp8, scales, dtype=torch.float32)
+    step = scales.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :n]
+    assert bool(((back - w.float()).abs() <= w.float().abs() * 2 ** -4 + step * 2 ** -9).all())
+
+
+def test_128x128_argument_errors():
+    with pytest.raises(ValueError, match="w:"):
+        fp8.quantize_128x128(torch.randn(2, 3, 4))
+    w_fp8, scales = fp8.quantize_128x128(torch.randn(130, 10))
+    with pytest.raises(ValueError, match="scales:"):
+        fp8.dequantize_128x128(w_fp8, scales[:1])
+
+
+@pytest.mark.parametrize("in_type", ["*bf16", "*fp32"])
+def test_triton_kernel_compiles_for_sm90(in_type):
+    triton = pytest.importorskip("triton")
+    source = triton.compiler.ASTSource(
+        fn=fp8.quantize_1x128_kernel,
+        signature={"x_ptr": in_type, "x_fp8_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "num_rows": "i32",
+                   "hidden": "i32", "BLOCK_ROWS": "constexpr", "TILE": "constexpr"},
+        constexprs={"BLOCK_ROWS": fp8.QUANTIZE_BLOCK_ROWS, "TILE": 128})
+    kernel = triton.compile(source, target=triton.backends.compiler.GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)
+    assert len(kernel.asm["cubin"]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 128), (33, 7168), (4, 5, 2048), (0, 256)])
+def test_triton_matches_reference_on_gpu(dtype, shape):
+    torch.manual_seed(3)
+    x = (torch.randn(shape, device="cuda") * 10).to(dtype)
+    if x.numel():
+        x.view(-1, shape[-1])[0, :128] = 0
+    x_fp8, scales = fp8.quantize_1x128_triton(x)
+    ref_fp8, ref_scales = fp8.quantize_1x128(x)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
