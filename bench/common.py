@@ -1,0 +1,74 @@
+"""Shared pieces of the benchmarks: environment record, timing with CUDA events, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIGURES = Path(__file__).resolve().parent / "figures"
+
+
+def environment() -> dict:
+    """Machine, date, command and versions, for the head of every result file."""
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_count"] = torch.cuda.device_count()
+        env["sms"] = props.multi_processor_count
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
+        except Exception:
+            pass
+    return env
+
+
+def time_ms(fn, stream=None, warmup: int = 3, repeat: int = 10, inner: int = 1) -> dict:
+    """Median (and min/max) milliseconds of ``fn`` on ``stream`` with CUDA events, after warm-up.
+    ``inner`` calls are timed together and divided."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(inner):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": repeat}
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, default=float))
+    return path

@@ -1,0 +1,5 @@
+import sys
+
+from smsplit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Trace files from synthetic records (CPU) and from real kernels (GPU)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from smsplit import ptx
+from smsplit.copy import persistent_copy_kernel, sm_copy
+from smsplit.trace import Trace, _probe_kernel
+
+
+def synthetic_trace():
+    rng = np.random.default_rng(0)
+    tags = [("dispatch", "comm"), ("gemm", "compute"), ("probe", "probe")]
+    rows = []
+    for sm in range(24):
+        start = int(rng.integers(0, 1000))
+        rows.append((sm, start, start + 5000, 0))
+    for sm in range(24, 132):
+        rows.append((sm, 200, 9000, 1))
+    rows.append((3, 0, 10, 2))
+    return Trace.from_records(rows, tags)
+
+
+def test_sm_sets_and_sharing_from_records():
+    trace = synthetic_trace()
+    assert trace.sms(kind="comm") == set(range(24))
+    assert trace.sms("gemm") == set(range(24, 132))
+    assert trace.shared_sms() == set()
+    assert trace.sms(kind="probe") == {3}
+
+
+def test_png_opens_and_has_a_size(tmp_path):
+    path = tmp_path / "trace.png"
+    synthetic_trace().save_png(path, title="synthetic", num_sms=132)
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        width, height = image.size
+        assert width > 500 and height > 300
+
+
+def test_chrome_trace_is_valid_trace_event_json(tmp_path):
+    path = tmp_path / "trace.json"
+    trace = synthetic_trace()
+    trace.save_chrome(path)
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    meta = [e for e in events if e["ph"] == "M"]
+    assert len(complete) == len(trace.records())
+    assert {e["tid"] for e in meta} == {e["tid"] for e in complete}
+    for e in complete:
+        assert set(e) >= {"name", "cat", "ph", "ts", "dur", "pid", "tid"}
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    gemm = [e for e in complete if e["name"] == "gemm"]
+    assert len(gemm) == 108 and all(abs(e["dur"] - 8.8) < 1e-9 for e in gemm)
+
+
+def test_bad_records_are_rejected():
+    with pytest.raises(ValueError, match="tag id"):
+        Trace.from_records([(0, 0, 1, 5)], [("a", "comm")])
+    with pytest.raises(ValueError, match="ends before it starts"):
+        Trace.from_records([(0, 9, 1, 0)], [("a", "comm")])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Trace.from_records([(0, 0, 1, 0)], [("a", "network")])
+
+
+def test_traced_kernels_compile_for_sm90():
+    ptx_text, _ = ptx.compile_for_sm90(_probe_kernel, {"trace_ptr": "*i64", "tag": "i32", "spin_ns": "i64"})
+    assert "%smid" in ptx_text and "%globaltimer" in ptx_text
+    sig = {"src": "*i32", "dst": "*i32", "n_vec": "i64", "trace_ptr": "*i64", "tag": "i32",
+           "BLOCK": "constexpr", "TRACE": "constexpr"}
+    traced, _ = ptx.compile_for_sm90(persistent_copy_kernel, sig, {"BLOCK": 2048, "TRACE": True}, num_warps=8)
+    plain, _ = ptx.compile_for_sm90(persistent_copy_kernel, sig, {"BLOCK": 2048, "TRACE": False}, num_warps=8)
+    for text in (traced, plain):
+        assert ptx.INSTRUCTIONS["ld_global_nc_v4"] in text
+        assert ptx.INSTRUCTIONS["st_global_na_v4"] in text
+    assert "%globaltimer" in traced and "%globaltimer" not in plain
+
+
+@pytest.mark.gpu
+def test_copy_is_exact_and_every_program_records_itself():
+    device = torch.device("cuda")
+    src = torch.randint(-2**31, 2**31 - 1, (3 * 2**20 + 4,), dtype=torch.int32, device=device)
+    dst = torch.full_like(src, 0x7FC00000)  # poison
+    trace = Trace(device)
+    sm_copy(dst, src, num_programs=20, trace=trace, name="copy")
+    torch.testing.assert_close(dst, src, rtol=0, atol=0)
+    rows = trace.records()
+    assert len(rows) == 20
+    assert (rows[:, 2] >= rows[:, 1]).all() and (rows[:, 1] > 0).all()
+    n_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert set(rows[:, 0].tolist()) <= set(range(n_sms))
+
+
+@pytest.mark.gpu
+def test_copy_rejects_bad_input_before_launch():
+    src = torch.randn(100, device="cuda")
+    with pytest.raises(ValueError, match="must match"):
+        sm_copy(torch.empty(99, device="cuda"), src, 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sm_copy(torch.empty(3, device="cuda"), torch.empty(3, device="cuda"), 4)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        sm_copy(torch.empty(100), torch.empty(100), 4)
+
+
+@pytest.mark.gpu
+def test_release_atomic_runs_once_per_program():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bump(counter):
+        ptx.atom_add_release_gpu(counter, 1)
+        ptx.st_release_sys(counter + 1 + tl.program_id(0), 7)
+
+    counter = torch.zeros(1 + 64, dtype=torch.int32, device="cuda")
+    bump[(64,)](counter, num_warps=4)
+    assert counter[0].item() == 64
+    assert (counter[1:] == 7).all()
