@@ -1,0 +1,108 @@
+"""Autograd for dispatch and combine: each one's backward is the other one applied to the gradients.
+
+Dispatch copies a token to every rank that holds one of its experts, so the gradient of the token is the sum of
+the gradients of its copies: a combine. Combine sums the copies, so each copy's gradient is the gradient of the
+sum: a cached dispatch. The same holds for the top-k weights; a received weight is zeroed where the expert is on
+another rank, so its gradient is zeroed there before the combine. With FP8 on the wire and `dequantize=True`, the
+quantization is treated as the identity in backward (straight-through).
+
+Backward passes communicate, so every rank must run them, in the same order as the other ranks.
+"""
+
+from typing import Optional
+
+import torch
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer, fields: dict, box: dict, x: torch.Tensor, topk_weights: Optional[torch.Tensor]):
+        result = buffer._dispatch(x, topk_weights=topk_weights, **fields)
+        box["result"] = result
+        recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = result
+        ctx.buffer, ctx.handle, ctx.recv_topk_idx = buffer, handle, recv_topk_idx
+        ctx.x_dtype, ctx.hidden = x.dtype, x.size(1)
+        out_x = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+        if out_x.dtype == torch.float8_e4m3fn:
+            ctx.mark_non_differentiable(out_x)
+        if recv_topk_weights is None:
+            return out_x, None
+        return out_x, recv_topk_weights
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_topk_weights):
+        buffer, handle = ctx.buffer, ctx.handle
+        need_x, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        grad_x_in = grad_w_in = None
+        if need_x:
+            grad_x_in = grad_recv_x if grad_recv_x is not None else torch.zeros(
+                handle.num_recv_rows, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
+            if grad_x_in.dtype == torch.float8_e4m3fn or not grad_x_in.is_floating_point():
+                grad_x_in = torch.zeros(handle.num_recv_rows, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
+        if need_w:
+            num_topk = ctx.recv_topk_idx.size(1)
+            grad_w_in = grad_recv_topk_weights if grad_recv_topk_weights is not None else torch.zeros(
+                handle.num_recv_rows, num_topk, dtype=torch.float32, device=buffer.device)
+            grad_w_in = grad_w_in.float().masked_fill(ctx.recv_topk_idx < 0, 0.0)
+        grad_x, grad_w, _ = buffer._combine(grad_x_in.contiguous() if grad_x_in is not None else None, handle,
+                                            grad_w_in, None, None, False, internal=True)
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype)
+        return None, None, None, grad_x, grad_w
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer, handle, previous_event, x, topk_weights, bias_0, bias_1):
+        bias = tuple(b for b in (bias_0, bias_1) if b is not None) or None
+        combined_x, combined_topk_weights, event = buffer._combine(x, handle, topk_weights, bias, previous_event,
+                                                                   False)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.x_dtype, ctx.hidden = x.dtype, x.size(1)
+        ctx.num_topk = topk_weights.size(1) if topk_weights is not None else 0
+        ctx.event = event
+        return combined_x, combined_topk_weights
+
+    @staticmethod
+    def backward(ctx, grad_combined_x, grad_combined_topk_weights):
+        buffer, handle = ctx.buffer, ctx.handle
+        need_x, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        if grad_combined_x is None:
+            grad_combined_x = torch.zeros(handle.num_tokens, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
+        grad_x_in = grad_combined_x.to(ctx.x_dtype).contiguous() if need_x else None
+        grad_w_in = None
+        if need_w:
+            grad_w_in = grad_combined_topk_weights if grad_combined_topk_weights is not None else torch.zeros(
+                handle.num_tokens, ctx.num_topk, dtype=torch.float32, device=buffer.device)
+            grad_w_in = grad_w_in.float().contiguous()
+        grad_x = grad_w = None
+        if need_x or need_w:
+            grad_x, _, grad_w, _, _, _ = buffer._dispatch(
+                grad_x_in, handle=handle, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=grad_w_in,
+                expert_alignment=1, num_worst_tokens=0, previous_event=None, async_finish=False, fp8=False,
+                dequantize=False, internal=True)
+        grad_bias_0 = grad_combined_x if ctx.needs_input_grad[5] else None
+        grad_bias_1 = grad_combined_x if ctx.needs_input_grad[6] else None
+        return None, None, None, grad_x, grad_w, grad_bias_0, grad_bias_1
+
+
+def dispatch_with_grad(buffer, x, topk_weights, fields: dict):
+    """`Buffer.dispatch` recorded by autograd (called by `Buffer.dispatch` when `x` or `topk_weights` needs grad)."""
+    box = {}
+    out_x, out_w = _Dispatch.apply(buffer, fields, box, x, topk_weights)
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = box["result"]
+    recv_x = (out_x, recv_x[1]) if isinstance(recv_x, tuple) else out_x
+    return recv_x, recv_topk_idx, out_w, counts, handle, event
+
+
+def combine_with_grad(buffer, x, handle, topk_weights, bias, previous_event, async_finish):
+    """`Buffer.combine` recorded by autograd (called by `Buffer.combine` when an input needs grad)."""
+    biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+    if len(biases) > 2:  # Buffer._combine rejects it with the argument's name
+        return buffer._combine(x, handle, topk_weights, bias, previous_event, async_finish)
+    bias_0, bias_1 = (tuple(biases) + (None, None))[:2]
+    combined_x, combined_topk_weights = _Combine.apply(buffer, handle, previous_event, x, topk_weights,
+                                                       bias_0, bias_1)
+    event = buffer._finish_event(async_finish)
+    return combined_x, combined_topk_weights, event

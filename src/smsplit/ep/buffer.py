@@ -1,0 +1,613 @@
+"""`Buffer`: expert-parallel dispatch and combine with the shape of DeepEP's normal (high-throughput) kernels."""
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8 as fp8_lib
+from .event import EventOverlap
+from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combine_row_bytes,
+                     compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
+                     to_local_expert_ids)
+from .reference import ReferenceTransport
+from .transport import EPArgumentError, EPError
+
+BACKENDS = ("auto", "reference")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Header: one int64 row that every rank sends to every rank before any token moves.
+OP_INIT, OP_DISPATCH, OP_COMBINE = 1, 2, 3
+OP_NAMES = {OP_INIT: "init", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
+(H_OP, H_ROUND, H_STATUS, H_NUM_TOKENS, H_NUM_EXPERTS, H_HIDDEN, H_DTYPE, H_NUM_TOPK, H_FLAGS,
+ H_NUM_WORST, H_NVL_BYTES) = range(11)
+HEADER_WORDS = 11  # followed by num_ranks words: the sender's num_tokens_per_rank
+FLAG_SCALES, FLAG_TOPK_IDX, FLAG_TOPK_WEIGHTS, FLAG_CACHED, FLAG_BIAS = 1, 2, 4, 8, 16
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+
+# Status word: 0 = arguments fine, else 1 + the index of the rejected argument here.
+ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+             "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
+             "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group")
+
+Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _reject(argument: str, message: str) -> EPArgumentError:
+    return EPArgumentError(argument, f"{argument}: {message}")
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optional[int], ...]) -> None:
+    """`shape` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise _reject(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise _reject(name, f"expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+        want = tuple("*" if s is None else s for s in shape)
+        raise _reject(name, f"expected shape {want}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise _reject(name, f"expected a tensor on {device} (this buffer's device), got one on {t.device}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
+
+
+class Buffer:
+    """
+    Expert-parallel (EP) communication for Mixture-of-Experts layers: dispatch tokens to the ranks that hold their
+    top-k experts, and combine the expert outputs back, with the API and return values of DeepEP's intranode
+    normal kernels (`deep_ep.Buffer`).
+
+    Every call is collective over `group`: all ranks call the same methods in the same order. Before any token
+    moves, the ranks exchange a small header and agree on the arguments; an invalid argument on any rank raises
+    `EPArgumentError` (a `ValueError` naming the argument) on every rank. A peer that does not arrive within
+    `timeout_s` raises `EPTimeoutError` naming the peer and the phase; after that (and after `EPError`) the buffer
+    is unusable.
+
+    Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
+    is a combine of the gradients and the backward of a combine is a dispatch of the gradients.
+
+    Attributes:
+        group: the communication group.
+        rank: this rank in `group`.
+        group_size: the number of ranks in `group`.
+        num_nvl_bytes: the size of the receive buffer each rank holds; 0 lets the reference backend allocate on
+            demand (the GPU transports need it set: see `get_buffer_size_hint`).
+        num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
+        budget: the `smsplit.budget.SmBudget` whose comm stream and SMs the GPU transports use, or None.
+        backend: the transport in use ("reference").
+        device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
+        timeout_s: the longest wait for a peer, in seconds.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_sms: int = 20,
+                 budget=None, backend: str = "auto", timeout_s: float = 60.0) -> None:
+        """
+        Create the buffer; collective over `group`.
+
+        Arguments:
+            group: the communication group (the default group if None). Gloo groups work on CPU tensors, NCCL groups
+                on CUDA tensors of the current device.
+            num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
+                backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
+            num_sms: the SMs the communication kernels may use; ignored when `budget` is given.
+            budget: an `SmBudget`; its `comm_sms` replaces `num_sms` and its comm stream hosts the kernels.
+            backend: "reference" (point-to-point `torch.distributed` messages) or "auto" (the fastest available:
+                the reference until the GPU transports land).
+            timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
+        """
+        if group is None:
+            group = dist.group.WORLD
+        if backend not in BACKENDS:
+            raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+        _check_int("num_nvl_bytes", num_nvl_bytes, 0)
+        _check_int("num_sms", num_sms, 1)
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise _reject("timeout_s", f"expected a number of seconds > 0, got {timeout_s!r}")
+
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.budget = budget
+        self.num_sms = int(getattr(budget, "comm_sms", num_sms)) if budget is not None else num_sms
+        self.timeout_s = float(timeout_s)
+        self.backend = "reference"
+        if str(dist.get_backend(group)).lower() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.transport = ReferenceTransport(group, self.device, self.timeout_s)
+        self._round = 0
+
+        header = self._header(OP_INIT)
+        header[:, H_NVL_BYTES] = num_nvl_bytes
+        headers = self.transport.exchange_headers("init", "the buffer size", header)
+        self._agree(OP_INIT, headers, None)
+        if len(set(headers[:, H_NVL_BYTES].tolist())) != 1:
+            raise _reject("num_nvl_bytes", f"must be the same on every rank, got {headers[:, H_NVL_BYTES].tolist()}")
+
+    # -- sizes ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
+                             x_dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+                             combine_dtype: torch.dtype = torch.bfloat16) -> int:
+        """
+        The smallest `num_nvl_bytes` for dispatches and combines of up to `num_max_tokens_per_rank` tokens per rank.
+
+        A rank's receive area holds one slot per source rank, each big enough for all of that rank's tokens
+        (dispatch rows: values, FP8 scales, int64 top-k ids, fp32 weights, int32 source index; combine rows:
+        values and fp32 weights; each padded to 16 bytes), plus a header per rank.
+
+        Arguments:
+            num_max_tokens_per_rank: the most tokens any rank dispatches in one call.
+            hidden: the hidden size.
+            num_ranks: the number of ranks.
+            num_topk: top-k ids per token (0 if dispatched without top-k).
+            x_dtype: the dtype of the dispatched values (ignored when `fp8`).
+            fp8: whether tokens travel as FP8 with scales.
+            combine_dtype: the dtype of the combined values.
+
+        Returns:
+            size: bytes.
+        """
+        dispatch_bytes = dispatch_row_bytes(hidden, 1 if fp8 else torch.empty(0, dtype=x_dtype).element_size(),
+                                            fp8, num_topk)
+        combine_bytes = combine_row_bytes(hidden, torch.empty(0, dtype=combine_dtype).element_size(), num_topk)
+        return buffer_bytes(num_max_tokens_per_rank, num_ranks, max(dispatch_bytes, combine_bytes),
+                            HEADER_WORDS + num_ranks)
+
+    # -- events ----------------------------------------------------------------------------------------------
+
+    def capture(self) -> EventOverlap:
+        """An event on the current stream of this buffer's device (an empty EventOverlap on CPU)."""
+        return EventOverlap.record_current_stream(self.device)
+
+    # -- layout ----------------------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False) \
+            -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """
+        Compute the layout that `dispatch` needs; local, no communication.
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` with `torch.int64`, the experts each token selected, `-1` for none.
+            num_experts: the number of experts over all ranks, a multiple of the number of ranks.
+            previous_event: the event to wait for before computing.
+            async_finish: return an event instead of finishing on the current stream (no effect on CPU).
+            allocate_on_comm_stream: allocate the results on the communication stream (no effect on CPU or in the
+                reference backend).
+
+        Returns:
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
+            num_tokens_per_rdma_rank: always None (intranode only).
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, the number of tokens sent to each expert.
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
+            event: the event after the computation (meaningful only with `async_finish` on CUDA).
+        """
+        _check_int("num_experts", num_experts, 1)
+        if num_experts % self.group_size:
+            raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
+        self._check_topk_idx(topk_idx, None, num_experts)
+        self._wait_previous(previous_event)
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
+            compute_dispatch_layout(topk_idx, num_experts, self.group_size)
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, self._finish_event(async_finish)
+
+    # -- dispatch --------------------------------------------------------------------------------------------
+
+    def dispatch(self, x: Tensorish, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, fp8: bool = False, dequantize: bool = False) \
+            -> Tuple[Tensorish, Optional[torch.Tensor], Optional[torch.Tensor], Optional[List[int]],
+                     DispatchHandle, EventOverlap]:
+        """
+        Send each token to every rank that holds one of its top-k experts. Collective.
+
+        Two modes: with layout arguments (`num_tokens_per_rank`, `is_token_in_rank`, `num_tokens_per_expert`, from
+        `get_dispatch_layout`), or with `handle=` from an earlier dispatch, which reuses that layout (the cached
+        mode: only `x` moves; `topk_idx` and `topk_weights` must be None; the layout arguments are ignored).
+
+        Arguments:
+            x: `[num_tokens, hidden]` with `torch.bfloat16` (or `torch.float16` / `torch.float32`), or a tuple
+                `(x_fp8, scales)`: `[num_tokens, hidden]` with `torch.float8_e4m3fn` and `[num_tokens, hidden // 128]`
+                with `torch.float32` (`hidden` a multiple of 128), as made by `smsplit.fp8.quantize_1x128`.
+            handle: a handle returned by an earlier `dispatch` of this buffer; selects the cached mode.
+            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
+            num_tokens_per_rdma_rank: must be None (intranode only; accepted for DeepEP compatibility).
+            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
+            num_tokens_per_expert: `[num_experts]` with `torch.int`, the number of tokens sent to each expert;
+                `num_experts` must be a multiple of the number of ranks and the same on every rank.
+            topk_idx: `[num_tokens, num_topk]` with `torch.int64`, the experts each token selected, `-1` for none;
+                ids must lie in `[-1, num_experts)`. May be None (then nothing top-k is received).
+            topk_weights: `[num_tokens, num_topk]` with `torch.float`, the weight of each selection; needs `topk_idx`.
+            expert_alignment: round each entry of `num_recv_tokens_per_expert_list` up to a multiple of this.
+            num_worst_tokens: if positive, the received tensors have exactly this many rows (the rows past the
+                received tokens are zero, their `recv_topk_idx` is -1) and `num_recv_tokens_per_expert_list` is an
+                empty list; the GPU transports then need no host synchronization (graph-capture friendly). Must be
+                at least the number of tokens this rank receives.
+            previous_event: the event to wait for before communicating.
+            async_finish: return an event instead of making the current stream wait (the reference backend always
+                finishes before returning).
+            allocate_on_comm_stream: allocate the results on the communication stream (no effect in the reference
+                backend).
+            fp8: quantize a floating-point `x` to FP8 e4m3 with one fp32 scale per 128 values before sending
+                (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)`.
+            dequantize: with FP8 on the wire (`fp8=True` or an FP8 `x`), dequantize on receive: `recv_x` is a
+                tensor of the input dtype (bfloat16 for an FP8 `x`).
+
+        Returns:
+            recv_x: the received tokens, `[num_recv_tokens, hidden]` (`[num_worst_tokens, hidden]` if set), ordered by
+                source rank, then by token index on the source rank; a tuple `(recv_x_fp8, recv_scales)` when FP8
+                travelled and `dequantize` is False.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` with `torch.int64`: the top-k ids as local expert ids of
+                this rank (`0 .. num_local_experts - 1`), -1 for experts on other ranks and for `-1` entries; None in
+                the cached mode or without `topk_idx`.
+            recv_topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`: the weights, 0 where
+                `recv_topk_idx` is -1; None in the cached mode or without `topk_weights`.
+            num_recv_tokens_per_expert_list: Python list `[num_local_experts]`, the tokens received for each local
+                expert, rounded up to `expert_alignment`; empty if `num_worst_tokens` is set; None in the cached mode.
+            handle: the layout, for `combine`, cached dispatches and backward (the same handle in the cached mode).
+            event: the event after the communication (meaningful only with `async_finish` on CUDA).
+        """
+        fields = dict(handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                      num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                      num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                      expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                      previous_event=previous_event, async_finish=async_finish, fp8=fp8, dequantize=dequantize)
+        float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
+        grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
+        grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
+        if torch.is_grad_enabled() and (grad_x or grad_w):
+            from .autograd import dispatch_with_grad
+            return dispatch_with_grad(self, x, topk_weights, fields)
+        return self._dispatch(x, topk_weights=topk_weights, **fields)
+
+    def _dispatch(self, x: Tensorish, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event,
+                  async_finish, fp8, dequantize, internal: bool = False):
+        """`dispatch` without autograd. `internal` allows the cached mode to carry `topk_weights` (for backward)
+        and `x=None`."""
+        header = self._header(OP_DISPATCH)
+        error = None
+        try:
+            spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                        num_worst_tokens, previous_event, fp8, dequantize, internal)
+            self._fill_header(header, spec)
+        except EPArgumentError as e:
+            error = e
+            header[:, H_STATUS] = 1 + ARGUMENTS.index(e.argument) if e.argument in ARGUMENTS else len(ARGUMENTS) + 1
+        headers = self.transport.exchange_headers("dispatch", "counts", header)
+        self._agree(OP_DISPATCH, headers, error)
+        self._wait_previous(previous_event)
+
+        values, scales = spec["values"], spec["scales"]
+        if fp8 and values is not None and scales is None:
+            values, scales = fp8_lib.quantize_activations(values)
+        cached = handle is not None
+        if cached:
+            num_local_experts = handle.num_local_experts
+        else:
+            tokens_from_to = headers[:, HEADER_WORDS:].tolist()
+            num_local_experts = spec["num_experts"] // self.group_size
+            recv_per_rank = [sum(row[q] for row in tokens_from_to) for q in range(self.group_size)]
+            for q in range(self.group_size):
+                worst = int(headers[q, H_NUM_WORST])
+                if 0 < worst < recv_per_rank[q]:
+                    raise _reject("num_worst_tokens", f"rank {q} receives {recv_per_rank[q]} tokens but its "
+                                                      f"num_worst_tokens is {worst}")
+            per_expert = num_tokens_per_expert.view(self.group_size, num_local_experts).cpu()
+            recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0)
+            handle = DispatchHandle(
+                buffer_id=id(self), rank=self.rank, num_ranks=self.group_size,
+                is_token_in_rank=is_token_in_rank,
+                rank_prefix_matrix=rank_prefix_matrix_from_counts(tokens_from_to, self.device),
+                recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
+                num_recv_tokens=recv_per_rank[self.rank], num_worst_tokens=num_worst_tokens,
+                num_local_experts=num_local_experts)
+            self.transport.prepare(handle)
+
+        payload = [t for t in (values, scales, topk_idx, topk_weights) if t is not None]
+        if not cached:
+            num_tokens = handle.num_tokens
+            payload.append(torch.arange(num_tokens, dtype=torch.int32, device=self.device).view(num_tokens, 1))
+        received = iter(self.transport.dispatch("dispatch", handle, payload))
+        recv_values = next(received) if values is not None else None
+        recv_scales = next(received) if scales is not None else None
+        recv_topk_idx = next(received) if topk_idx is not None else None
+        recv_topk_weights = next(received) if topk_weights is not None else None
+        if not cached:
+            handle.recv_src_idx = next(received)[:handle.num_recv_tokens, 0].contiguous()
+
+        if recv_topk_idx is not None:
+            recv_topk_idx[handle.num_recv_tokens:] = -1
+            recv_topk_idx = to_local_expert_ids(recv_topk_idx, self.rank, num_local_experts)
+            if recv_topk_weights is not None:
+                recv_topk_weights = recv_topk_weights.masked_fill(recv_topk_idx < 0, 0.0)
+        if scales is not None and dequantize:
+            out_dtype = spec["values"].dtype if spec["scales"] is None else torch.bfloat16
+            recv_x = fp8_lib.dequantize_1x128(recv_values, recv_scales, out_dtype)
+        elif scales is not None:
+            recv_x = (recv_values, recv_scales)
+        else:
+            recv_x = recv_values
+
+        if cached:
+            num_recv_tokens_per_expert_list = None
+        elif num_worst_tokens > 0:
+            num_recv_tokens_per_expert_list = []
+        else:
+            num_recv_tokens_per_expert_list = [align_up(int(c), expert_alignment) for c in recv_per_expert.tolist()]
+        return (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+                self._finish_event(async_finish))
+
+    # -- combine ---------------------------------------------------------------------------------------------
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) \
+            -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """
+        Send each received token back to the rank it came from and add up the copies (**without** weights), in
+        fp32. Collective; the reverse of the dispatch that made `handle`.
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` (or `[num_worst_tokens, hidden]` if the dispatch padded; the padding rows
+                are ignored) with `torch.bfloat16` (or `torch.float16` / `torch.float32`), rows in the order
+                `dispatch` returned them.
+            handle: the handle returned by the dispatch being reversed.
+            topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
+            bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
+            previous_event: the event to wait for before communicating.
+            async_finish: return an event instead of making the current stream wait (the reference backend always
+                finishes before returning).
+            allocate_on_comm_stream: allocate the results on the communication stream (no effect in the reference
+                backend).
+
+        Returns:
+            combined_x: `[num_tokens, hidden]`, `x`'s dtype: for each token of this rank, the sum of the rows that
+                the ranks it was dispatched to sent back (plus `bias`); zero for tokens dispatched nowhere.
+            combined_topk_weights: `[num_tokens, num_topk]` with `torch.float`, summed the same way, or None.
+            event: the event after the communication (meaningful only with `async_finish` on CUDA).
+        """
+        biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+        needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
+        if torch.is_grad_enabled() and needs_grad:
+            from .autograd import combine_with_grad
+            return combine_with_grad(self, x, handle, topk_weights, bias, previous_event, async_finish)
+        return self._combine(x, handle, topk_weights, bias, previous_event, async_finish)
+
+    def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False):
+        """`combine` without autograd; `internal` allows `x=None` (backward of weights only)."""
+        header = self._header(OP_COMBINE)
+        error = None
+        try:
+            biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+            if x is not None:
+                header[:, H_HIDDEN] = x.size(1)
+                header[:, H_DTYPE] = DTYPE_CODES[x.dtype]
+            header[:, H_NUM_TOPK] = topk_weights.size(1) if topk_weights is not None else -1
+            header[:, H_FLAGS] = FLAG_TOPK_WEIGHTS * (topk_weights is not None)
+        except EPArgumentError as e:
+            error = e
+            header[:, H_STATUS] = 1 + ARGUMENTS.index(e.argument) if e.argument in ARGUMENTS else len(ARGUMENTS) + 1
+        headers = self.transport.exchange_headers("combine", "status", header)
+        self._agree(OP_COMBINE, headers, error)
+        self._wait_previous(previous_event)
+
+        rows = handle.num_recv_rows
+        summed_x, summed_weights = self.transport.combine(
+            "combine", handle, [x[:rows] if x is not None else None,
+                                topk_weights[:rows] if topk_weights is not None else None])
+        combined_x = None
+        if summed_x is not None:
+            for b in biases:
+                summed_x += b.float()
+            combined_x = summed_x.to(x.dtype)
+        return combined_x, summed_weights, self._finish_event(async_finish)
+
+    # -- validation ------------------------------------------------------------------------------------------
+
+    def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int) -> None:
+        _check_tensor("topk_idx", topk_idx, self.device, (torch.int64,), (num_tokens, None))
+        if topk_idx.size(1) < 1:
+            raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
+        if topk_idx.numel():
+            low, high = int(topk_idx.min()), int(topk_idx.max())
+            if low < -1 or high >= num_experts:
+                raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
+                                          f"got values in [{low}, {high}]")
+
+    def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                        previous_event, fp8, dequantize, internal) -> dict:
+        """Raise EPArgumentError for the first invalid argument; return what the header and payload need."""
+        num_ranks = self.group_size
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise _reject("x", f"an FP8 input is a tuple (x_fp8, scales), got a tuple of {len(x)}")
+            values, scales = x
+            _check_tensor("x", values, self.device, (torch.float8_e4m3fn,), (None, None))
+            num_tokens, hidden = values.shape
+            if hidden % SCALE_BLOCK:
+                raise _reject("x", f"FP8 hidden size must be a multiple of {SCALE_BLOCK}, got {hidden}")
+            _check_tensor("x", scales, self.device, (torch.float32,), (num_tokens, hidden // SCALE_BLOCK))
+            if fp8:
+                raise _reject("fp8", "x is already FP8; fp8=True quantizes a floating-point x")
+        elif x is None and internal:
+            values = scales = None
+            num_tokens, hidden = handle.num_tokens, 0
+        else:
+            _check_tensor("x", x, self.device, FLOAT_DTYPES, (None, None))
+            values, scales = x, None
+            num_tokens, hidden = x.shape
+            if fp8 and hidden % SCALE_BLOCK:
+                raise _reject("x", f"fp8=True needs a hidden size that is a multiple of {SCALE_BLOCK}, got {hidden}")
+        if not isinstance(fp8, bool):
+            raise _reject("fp8", f"expected a bool, got {fp8!r}")
+        if not isinstance(dequantize, bool):
+            raise _reject("dequantize", f"expected a bool, got {dequantize!r}")
+        if dequantize and not (fp8 or scales is not None):
+            raise _reject("dequantize", "dequantize=True needs FP8 on the wire (fp8=True or an FP8 x)")
+        _check_int("expert_alignment", expert_alignment, 1)
+        _check_int("num_worst_tokens", num_worst_tokens, 0)
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise _reject("previous_event", f"expected an EventOverlap or None, got {type(previous_event).__name__}")
+        if num_tokens_per_rdma_rank is not None:
+            raise _reject("num_tokens_per_rdma_rank", "must be None: this buffer is intranode only")
+
+        num_experts = 0
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+                raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
+            if handle.num_tokens != num_tokens:
+                raise _reject("handle", f"the handle is for {handle.num_tokens} tokens, x has {num_tokens}")
+            if topk_idx is not None or (topk_weights is not None and not internal):
+                name = "topk_idx" if topk_idx is not None else "topk_weights"
+                raise _reject(name, "must be None with handle= (the cached mode moves only x)")
+            if topk_weights is not None:
+                _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,), (num_tokens, None))
+        else:
+            _check_tensor("num_tokens_per_expert", num_tokens_per_expert, self.device, (torch.int32, torch.int64),
+                          (None,))
+            num_experts = num_tokens_per_expert.numel()
+            if num_experts == 0 or num_experts % num_ranks:
+                raise _reject("num_tokens_per_expert", f"{num_experts} experts do not divide evenly over "
+                                                       f"{num_ranks} ranks")
+            _check_tensor("is_token_in_rank", is_token_in_rank, self.device, (torch.bool,), (num_tokens, num_ranks))
+            _check_tensor("num_tokens_per_rank", num_tokens_per_rank, self.device, (torch.int32, torch.int64),
+                          (num_ranks,))
+            if not torch.equal(num_tokens_per_rank.long(), is_token_in_rank.sum(0)):
+                raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
+            if topk_idx is not None:
+                self._check_topk_idx(topk_idx, num_tokens, num_experts)
+                if topk_weights is not None:
+                    _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,),
+                                  (num_tokens, topk_idx.size(1)))
+            elif topk_weights is not None:
+                raise _reject("topk_weights", "needs topk_idx")
+
+        num_topk = topk_idx.size(1) if topk_idx is not None else (
+            topk_weights.size(1) if topk_weights is not None else 0)
+        if self.num_nvl_bytes > 0 and hidden > 0:
+            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk,
+                                             values.dtype if scales is None and not fp8 else torch.bfloat16,
+                                             fp8 or scales is not None,
+                                             values.dtype if values.dtype in FLOAT_DTYPES else torch.bfloat16)
+            if need > self.num_nvl_bytes:
+                raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes "
+                                               f"(get_buffer_size_hint) but the buffer has {self.num_nvl_bytes}")
+        flags = (FLAG_SCALES * (fp8 or scales is not None) + FLAG_TOPK_IDX * (topk_idx is not None)
+                 + FLAG_TOPK_WEIGHTS * (topk_weights is not None) + FLAG_CACHED * (handle is not None))
+        return dict(values=values, scales=scales, num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
+                    num_topk=num_topk, flags=flags, num_worst_tokens=num_worst_tokens,
+                    num_tokens_per_rank=num_tokens_per_rank)
+
+    def _check_combine(self, x, handle, topk_weights, bias, previous_event, internal) -> Tuple[torch.Tensor, ...]:
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+            raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
+        rows = handle.num_recv_rows
+        if x is None and internal:
+            hidden = None
+        else:
+            _check_tensor("x", x, self.device, FLOAT_DTYPES, (rows, None))
+            hidden = x.size(1)
+            if self.num_nvl_bytes > 0:
+                num_topk = topk_weights.size(1) if isinstance(topk_weights, torch.Tensor) else 0
+                need = self.get_buffer_size_hint(handle.num_tokens, hidden, self.group_size, num_topk,
+                                                 combine_dtype=x.dtype)
+                if need > self.num_nvl_bytes:
+                    raise _reject("num_nvl_bytes", f"combining {handle.num_tokens} tokens of hidden {hidden} needs "
+                                                   f"{need} bytes (get_buffer_size_hint) but the buffer has "
+                                                   f"{self.num_nvl_bytes}")
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,), (rows, None))
+        biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+        if len(biases) > 2 or (biases and x is None):
+            raise _reject("bias", "expected None, a tensor, or a tuple of two tensors")
+        for b in biases:
+            _check_tensor("bias", b, self.device, (x.dtype,), (handle.num_tokens, hidden))
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise _reject("previous_event", f"expected an EventOverlap or None, got {type(previous_event).__name__}")
+        return biases
+
+    # -- agreement between ranks -----------------------------------------------------------------------------
+
+    def _header(self, op: int) -> torch.Tensor:
+        self._round += 1
+        header = torch.zeros(self.group_size, HEADER_WORDS + self.group_size, dtype=torch.int64)
+        header[:, H_OP] = op
+        header[:, H_ROUND] = self._round
+        return header
+
+    @staticmethod
+    def _fill_header(header: torch.Tensor, spec: dict) -> None:
+        header[:, H_NUM_TOKENS] = spec["num_tokens"]
+        header[:, H_NUM_EXPERTS] = spec["num_experts"]
+        header[:, H_HIDDEN] = spec["hidden"]
+        header[:, H_DTYPE] = DTYPE_CODES[spec["values"].dtype] if spec["values"] is not None else 0
+        header[:, H_NUM_TOPK] = spec["num_topk"]
+        header[:, H_FLAGS] = spec["flags"]
+        header[:, H_NUM_WORST] = spec["num_worst_tokens"]
+        if spec["num_tokens_per_rank"] is not None and not spec["flags"] & FLAG_CACHED:
+            header[:, HEADER_WORDS:] = spec["num_tokens_per_rank"].cpu().to(torch.int64)
+
+    def _agree(self, op: int, headers: torch.Tensor, own_error: Optional[EPArgumentError]) -> None:
+        """Every rank sees the same headers, so every rank reaches the same verdict here."""
+        name = OP_NAMES[op]
+        for r in range(self.group_size):
+            if int(headers[r, H_OP]) != op or int(headers[r, H_ROUND]) != self._round:
+                self.transport.failure = "ranks out of step"
+                raise EPError(f"{name}: rank {r} is in {OP_NAMES.get(int(headers[r, H_OP]), '?')} call "
+                              f"#{int(headers[r, H_ROUND])} while rank {self.rank} is in {name} call #{self._round}; "
+                              f"every rank must make the same Buffer calls in the same order")
+        if own_error is not None:
+            raise own_error
+        for r in range(self.group_size):
+            status = int(headers[r, H_STATUS])
+            if status:
+                argument = ARGUMENTS[status - 1] if status <= len(ARGUMENTS) else "arguments"
+                raise _reject(argument, f"rejected on rank {r} (that rank's error says why); {name} did not start")
+        if op == OP_INIT:
+            return
+        checks = [(H_FLAGS, FLAG_CACHED, "handle", "the cached mode (handle=)"),
+                  (H_HIDDEN, None, "x", "the hidden size"), (H_DTYPE, None, "x", "the dtype"),
+                  (H_FLAGS, FLAG_SCALES, "fp8", "FP8 on the wire"),
+                  (H_FLAGS, FLAG_TOPK_IDX, "topk_idx", "whether topk_idx is given"),
+                  (H_FLAGS, FLAG_TOPK_WEIGHTS, "topk_weights", "whether topk_weights is given"),
+                  (H_NUM_TOPK, None, "topk_idx", "num_topk")]
+        if op == OP_DISPATCH:
+            checks.append((H_NUM_EXPERTS, None, "num_tokens_per_expert", "num_experts"))
+        for word, mask, argument, what in checks:
+            values = headers[:, word].tolist() if mask is None else (headers[:, word] & mask).tolist()
+            if len(set(values)) != 1:
+                raise _reject(argument, f"{what} differs between ranks: {values} on ranks 0..{self.group_size - 1}")
+
+    # -- events ----------------------------------------------------------------------------------------------
+
+    def _wait_previous(self, previous_event: Optional[EventOverlap]) -> None:
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    def _finish_event(self, async_finish: bool) -> EventOverlap:
+        return EventOverlap.record_current_stream(self.device) if async_finish else EventOverlap()

@@ -1,0 +1,176 @@
+"""The reference transport: point-to-point `torch.distributed` messages (gloo on CPU, NCCL on GPU).
+
+It is what CPU-only machines and CI run, and the oracle for the GPU transports. Every phase sends one message per
+peer (the rows for that peer packed into bytes) and waits for each peer separately, so a missing peer is named.
+Waits are bounded by `timeout_s`: gloo waits with a timeout, other backends poll `work.is_completed()`. After a
+timeout the group's connection to that peer may be closed (gloo closes it), so the transport refuses further use.
+"""
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .layout import DispatchHandle
+from .transport import EPError, EPTimeoutError, Transport
+
+
+@dataclass
+class ReferenceLayout:
+    """Host-side counts of one layout (`handle.transport_state` of the reference transport)."""
+
+    send_token_idx: List[torch.Tensor]  # per destination rank: this rank's token indices it sends there, ascending
+    send_counts: List[int]              # per destination rank
+    recv_counts: List[int]              # per source rank
+    recv_offsets: List[int]             # per source rank: first row of its tokens in the received tensors
+
+
+def pack_rows(fields: List[torch.Tensor]) -> torch.Tensor:
+    """`[n, k_i]` tensors of any dtypes -> `[n, sum_i k_i * itemsize_i]` uint8, one row per token."""
+    return torch.cat([f.reshape(f.size(0), -1).contiguous().view(torch.uint8) for f in fields], dim=1)
+
+
+def _inner_numel(field: torch.Tensor) -> int:
+    n = 1
+    for s in field.shape[1:]:
+        n *= s
+    return n
+
+
+class ReferenceTransport(Transport):
+    name = "reference"
+
+    def __init__(self, group, device: torch.device, timeout_s: float) -> None:
+        super().__init__(group, device, timeout_s)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)]
+        self.failure: Optional[str] = None
+
+    # -- messaging ----------------------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise EPError(f"this buffer is unusable after an earlier failure ({self.failure}); make a new group and Buffer")
+
+    def _wait(self, work, op: str, phase: str, peer: int, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        try:
+            if self.backend == "gloo":
+                work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+            else:
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(1e-4)
+                work.wait()
+        except (RuntimeError, TimeoutError) as error:
+            message = f"{op}: {phase} rank {peer}"
+            timed_out = isinstance(error, TimeoutError) or "timed out" in str(error).lower() \
+                or time.monotonic() >= deadline
+            self.failure = message
+            if timed_out:
+                raise EPTimeoutError(f"{message} (no answer within timeout_s={self.timeout_s:g})", peer, message) \
+                    from None
+            raise EPError(f"{message} failed: {error}") from error
+
+    def _exchange(self, op: str, what: str, send: List[Optional[torch.Tensor]], recv_nbytes: List[int]) \
+            -> List[Optional[torch.Tensor]]:
+        """Send `send[p]` (uint8, flat) to each peer p, receive `recv_nbytes[p]` bytes from it; skip empty messages."""
+        self._check_usable()
+        recv: List[Optional[torch.Tensor]] = [None] * self.num_ranks
+        recv[self.rank] = send[self.rank]
+        ops, kinds = [], []
+        for peer in range(self.num_ranks):
+            if peer == self.rank:
+                continue
+            if recv_nbytes[peer] > 0:
+                recv[peer] = torch.empty(recv_nbytes[peer], dtype=torch.uint8, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, recv[peer], self.global_ranks[peer], self.group))
+                kinds.append(("recv", peer))
+            if send[peer] is not None and send[peer].numel() > 0:
+                ops.append(dist.P2POp(dist.isend, send[peer].contiguous(), self.global_ranks[peer], self.group))
+                kinds.append(("send", peer))
+        if not ops:
+            return recv
+        deadline = time.monotonic() + self.timeout_s
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            # Receives first: a peer that never arrives is named by the first receive that times out.
+            order = sorted(range(len(ops)), key=lambda i: (kinds[i][0] != "recv", kinds[i][1]))
+            for i in order:
+                kind, peer = kinds[i]
+                phase = f"waiting for {what} from" if kind == "recv" else f"waiting to deliver {what} to"
+                self._wait(works[i], op, phase, peer, deadline)
+        else:  # a coalesced backend (NCCL) returns one work for the whole batch
+            peers = sorted({peer for _, peer in kinds})
+            for work in works:
+                self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
+        return recv
+
+    # -- Transport --------------------------------------------------------------------------------------------
+
+    def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(device=self.device, dtype=torch.int64).contiguous()
+        width = rows.size(1)
+        send = [rows[p].view(torch.uint8) for p in range(self.num_ranks)]
+        recv = self._exchange(op, what, send, [width * 8] * self.num_ranks)
+        return torch.stack([r.view(torch.int64) for r in recv]).cpu()
+
+    def prepare(self, handle: DispatchHandle) -> None:
+        prefix = handle.rank_prefix_matrix.cpu().tolist()
+        column = [row[self.rank] for row in prefix]
+        recv_counts = [column[0]] + [column[p] - column[p - 1] for p in range(1, self.num_ranks)]
+        is_token_in_rank = handle.is_token_in_rank
+        send_token_idx = [torch.nonzero(is_token_in_rank[:, p]).flatten() for p in range(self.num_ranks)]
+        handle.transport_state = ReferenceLayout(
+            send_token_idx=send_token_idx,
+            send_counts=[int(idx.numel()) for idx in send_token_idx],
+            recv_counts=recv_counts,
+            recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
+
+    def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
+        layout: ReferenceLayout = handle.transport_state
+        widths = [_inner_numel(f) * f.element_size() for f in fields]
+        row_bytes = sum(widths)
+        send = [pack_rows([f[idx] for f in fields]).flatten() for idx in layout.send_token_idx]
+        recv = self._exchange(op, "tokens", send, [n * row_bytes for n in layout.recv_counts])
+        out = [torch.zeros(handle.num_recv_rows, *f.shape[1:], dtype=f.dtype, device=self.device) for f in fields]
+        for peer in range(self.num_ranks):
+            count, start = layout.recv_counts[peer], layout.recv_offsets[peer]
+            if count == 0:
+                continue
+            rows = recv[peer].view(count, row_bytes)
+            col = 0
+            for f, o, w in zip(fields, out, widths):
+                o[start:start + count] = rows[:, col:col + w].contiguous().view(f.dtype).view(count, *f.shape[1:])
+                col += w
+        return out
+
+    def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
+            -> List[Optional[torch.Tensor]]:
+        layout: ReferenceLayout = handle.transport_state
+        present = [f for f in fields if f is not None]
+        widths = [_inner_numel(f) * f.element_size() for f in present]
+        row_bytes = sum(widths)
+        send = [pack_rows([f[start:start + count] for f in present]).flatten()
+                for start, count in zip(layout.recv_offsets, layout.recv_counts)]
+        recv = self._exchange(op, "tokens", send, [n * row_bytes for n in layout.send_counts])
+        sums = [torch.zeros(handle.num_tokens, *f.shape[1:], dtype=torch.float32, device=self.device)
+                for f in present]
+        for peer in range(self.num_ranks):
+            count = layout.send_counts[peer]
+            if count == 0:
+                continue
+            rows = recv[peer].view(count, row_bytes)
+            col = 0
+            for f, s, w in zip(present, sums, widths):
+                values = rows[:, col:col + w].contiguous().view(f.dtype).view(count, *f.shape[1:])
+                s.index_add_(0, layout.send_token_idx[peer].to(self.device), values.float())
+                col += w
+        result, it = [], iter(sums)
+        for f in fields:
+            result.append(next(it) if f is not None else None)
+        return result

@@ -1,0 +1,117 @@
+"""The interface between `Buffer` and the code that moves bytes between ranks, and the errors it raises.
+
+`Buffer` validates arguments, computes layouts, quantizes to FP8, builds handles and wires autograd; a transport
+only moves data. Every transport implements the same four calls, so the GPU transports (SM push over NVLink, copy
+engine) slot in behind `Buffer` without API changes and are tested against `ReferenceTransport`:
+
+1. `exchange_headers`: every rank sends one small int64 row to every rank (the notify step: counts, status,
+   argument agreement). The result is on the host; this is where a missing peer is detected.
+2. `prepare`: precompute whatever the data phases need for a layout, stored in `handle.transport_state`.
+3. `dispatch`: per-token rows go to the ranks in `handle.is_token_in_rank`; the receiver stores them ordered by
+   source rank, then by token index.
+4. `combine`: the reverse, summing in fp32 the copies that return to each token.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from .layout import DispatchHandle
+
+
+class EPError(RuntimeError):
+    """Communication failed (a peer died, ranks called different operations). The buffer is unusable after it."""
+
+
+class EPTimeoutError(TimeoutError):
+    """
+    A peer did not arrive within the buffer's `timeout_s`. The buffer is unusable after it.
+
+    Attributes:
+        peer: the rank that did not arrive.
+        phase: what this rank was waiting for, e.g. "dispatch: waiting for counts from rank 1".
+    """
+
+    def __init__(self, message: str, peer: int, phase: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.phase = phase
+
+
+class EPArgumentError(ValueError):
+    """
+    An argument is invalid on this or another rank. Raised on every rank, before any token moves.
+
+    Attributes:
+        argument: the name of the argument at fault, e.g. "topk_idx".
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+class Transport:
+    """
+    Moves bytes between the ranks of one process group.
+
+    Attributes:
+        name: the backend name (`Buffer(backend=...)`).
+        group: the `torch.distributed` process group.
+        rank: this rank in `group`.
+        num_ranks: the size of `group`.
+        device: the device of the tensors this transport accepts.
+        timeout_s: the longest wait for a peer before `EPTimeoutError`.
+    """
+
+    name = "abstract"
+
+    def __init__(self, group, device: torch.device, timeout_s: float) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.num_ranks = group.size()
+        self.device = device
+        self.timeout_s = timeout_s
+
+    def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        """
+        Arguments:
+            op: the operation, for error messages ("dispatch", "combine", "init").
+            what: what the rows are, for error messages ("counts", "status", "expert counts").
+            rows: `[num_ranks, width]` int64 host tensor; row `p` goes to rank `p`; `width` is the same on all ranks.
+
+        Returns:
+            `[num_ranks, width]` int64 host tensor; row `p` came from rank `p` (row `rank` is this rank's own).
+        """
+        raise NotImplementedError
+
+    def prepare(self, handle: DispatchHandle) -> None:
+        """Fill `handle.transport_state` with what `dispatch` and `combine` need for this layout."""
+        raise NotImplementedError
+
+    def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
+        """
+        Arguments:
+            op: the operation, for error messages.
+            handle: the layout.
+            fields: tensors of shape `[num_tokens, k_i]` (any dtypes), the per-token payload.
+
+        Returns:
+            tensors of shape `[handle.num_recv_rows, k_i]`, same dtypes: received rows ordered by source rank, then
+            token index; rows past `handle.num_recv_tokens` (padding) are zero.
+        """
+        raise NotImplementedError
+
+    def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
+            -> List[Optional[torch.Tensor]]:
+        """
+        Arguments:
+            op: the operation, for error messages.
+            handle: the layout of the dispatch being reversed.
+            fields: tensors of shape `[handle.num_recv_rows, k_i]` (floating point) or None; padding rows are ignored.
+
+        Returns:
+            `[num_tokens, k_i]` float32 tensors (None where the field was None): for each token, the sum of the rows
+            that the ranks it was dispatched to sent back; zero for tokens dispatched nowhere.
+        """
+        raise NotImplementedError
