@@ -30,7 +30,14 @@ class ReferenceLayout:
 
 def pack_rows(fields: List[torch.Tensor]) -> torch.Tensor:
     """`[n, k_i]` tensors of any dtypes -> `[n, sum_i k_i * itemsize_i]` uint8, one row per token."""
-    return torch.cat([f.reshape(f.size(0), -1).contiguous().view(torch.uint8) for f in fields], dim=1)
+    return torch.cat([f.reshape(f.size(0), _inner_numel(f)).contiguous().view(torch.uint8) for f in fields], dim=1)
+
+
+def unpack_column(rows: torch.Tensor, start: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """Bytes `[start, start + width)` of every row, as a fresh tensor of `like`'s dtype and trailing shape."""
+    column = torch.empty(rows.size(0), width, dtype=torch.uint8, device=rows.device)
+    column.copy_(rows[:, start:start + width])
+    return column.view(like.dtype).view(rows.size(0), *like.shape[1:])
 
 
 def _inner_numel(field: torch.Tensor) -> int:
@@ -145,7 +152,7 @@ class ReferenceTransport(Transport):
             rows = recv[peer].view(count, row_bytes)
             col = 0
             for f, o, w in zip(fields, out, widths):
-                o[start:start + count] = rows[:, col:col + w].contiguous().view(f.dtype).view(count, *f.shape[1:])
+                o[start:start + count] = unpack_column(rows, col, w, f)
                 col += w
         return out
 
@@ -167,7 +174,7 @@ class ReferenceTransport(Transport):
             rows = recv[peer].view(count, row_bytes)
             col = 0
             for f, s, w in zip(present, sums, widths):
-                values = rows[:, col:col + w].contiguous().view(f.dtype).view(count, *f.shape[1:])
+                values = unpack_column(rows, col, w, f)
                 s.index_add_(0, layout.send_token_idx[peer].to(self.device), values.float())
                 col += w
         result, it = [], iter(sums)

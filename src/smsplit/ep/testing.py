@@ -1,0 +1,116 @@
+"""A pool of CPU processes in one gloo group, to run many multi-rank test cases without respawning.
+
+    pool = gloo_pool(4)                       # started once, reused by every caller in this process
+    results = pool.run(my_case, arg1, arg2)   # my_case(rank, world_size, arg1, arg2) on every rank
+
+`my_case` must be importable by name in the workers (a module-level function). A case that fails on any rank
+raises AssertionError here with every failing rank's traceback; the pool then restarts, since a failed case may
+leave the group's connections in an unknown state.
+"""
+
+import atexit
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Dict, List
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class GlooPool:
+    """`world_size` spawned processes, each rank of one gloo process group on 127.0.0.1."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.processes: List[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        port = free_port()
+        self.tasks = [context.SimpleQueue() for _ in range(self.world_size)]
+        self.results = context.Queue()
+        self.processes = [context.Process(target=_worker, args=(rank, self.world_size, port, self.tasks[rank],
+                                                                 self.results), daemon=True)
+                          for rank in range(self.world_size)]
+        for p in self.processes:
+            p.start()
+
+    def run(self, fn: Callable, *args, timeout_s: float = 120.0) -> List[Any]:
+        """Run `fn(rank, world_size, *args)` on every rank; return the results by rank."""
+        for task_queue in self.tasks:
+            task_queue.put((fn, args))
+        outcomes: Dict[int, Any] = {}
+        failures = []
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self.results.get(timeout=timeout_s)
+                outcomes[rank] = value
+                if not ok:
+                    failures.append(f"--- rank {rank} ---\n{value}")
+        except queue.Empty:
+            failures.append(f"ranks {sorted(set(range(self.world_size)) - set(outcomes))} did not finish "
+                            f"within {timeout_s} s")
+        if failures:
+            self.restart()
+            raise AssertionError(f"{fn.__name__}{args} failed:\n" + "\n".join(failures))
+        return [outcomes[r] for r in range(self.world_size)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        for p, task_queue in zip(self.processes, self.tasks):
+            if graceful and p.is_alive():
+                task_queue.put(None)
+        for p in self.processes:
+            p.join(timeout=5 if graceful else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.processes = []
+
+
+_POOLS: Dict[int, GlooPool] = {}
+
+
+def gloo_pool(world_size: int) -> GlooPool:
+    """The process-wide pool of `world_size` ranks, started on first use and closed at exit."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = GlooPool(world_size)
+    return _POOLS[world_size]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+

@@ -1,0 +1,232 @@
+"""Dispatch and combine of the reference backend with 2 and 4 gloo processes, against a single-process oracle.
+
+Every rank builds the inputs of all ranks from one seed, runs its part through `Buffer`, and checks its results
+against `expected_dispatch` / `expected_combine`, which walk over the tokens of all ranks one by one.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from smsplit import fp8 as fp8_lib
+from smsplit.ep import Buffer
+from smsplit.ep.testing import gloo_pool
+
+
+# -- inputs and oracle -----------------------------------------------------------------------------------------
+
+def make_inputs(seed, world_size, num_tokens, hidden, num_experts, num_topk, drop=0.2, only_rank=None,
+                silent_rank=None, dtype=torch.bfloat16):
+    """Per-rank (x, topk_idx, topk_weights). `only_rank`: every expert choice lies on that rank.
+    `silent_rank`: that rank's tokens all have top-k -1 (it sends nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    experts_per_rank = num_experts // world_size
+    inputs = []
+    for r in range(world_size):
+        n = num_tokens[r]
+        x = (torch.randn(n, hidden, generator=g) * (r + 1)).to(dtype)
+        if only_rank is None:
+            candidates = num_experts
+            topk = torch.rand(n, candidates, generator=g).argsort(dim=1)[:, :num_topk]
+        else:
+            topk = torch.rand(n, experts_per_rank, generator=g).argsort(dim=1)[:, :num_topk]
+            topk = topk + only_rank * experts_per_rank
+        topk = topk.to(torch.int64)
+        topk[torch.rand(n, num_topk, generator=g) < drop] = -1
+        if silent_rank == r:
+            topk[:] = -1
+        weights = torch.rand(n, num_topk, generator=g)
+        inputs.append((x, topk, weights))
+    return inputs
+
+
+def expected_dispatch(inputs, rank, world_size, num_experts):
+    """The rows this rank receives, walking over every token of every rank in order."""
+    local = num_experts // world_size
+    rows, idx, weights, src = [], [], [], []
+    per_expert = [0] * local
+    for s, (x, topk, w) in enumerate(inputs):
+        for t in range(x.size(0)):
+            mine = [int(e) >= 0 and int(e) // local == rank for e in topk[t]]
+            if not any(mine):
+                continue
+            rows.append(x[t])
+            idx.append([int(e) - rank * local if m else -1 for e, m in zip(topk[t], mine)])
+            weights.append([float(v) if m else 0.0 for v, m in zip(w[t], mine)])
+            src.append((s, t))
+            for e, m in zip(topk[t], mine):
+                if m:
+                    per_expert[int(e) - rank * local] += 1
+    hidden, k = inputs[0][0].size(1), inputs[0][1].size(1)
+    recv_x = torch.stack(rows) if rows else torch.empty(0, hidden, dtype=inputs[0][0].dtype)
+    recv_idx = torch.tensor(idx, dtype=torch.int64).view(-1, k)
+    recv_w = torch.tensor(weights, dtype=torch.float32).view(-1, k)
+    return recv_x, recv_idx, recv_w, per_expert, src
+
+
+def expected_combine(inputs, rank, world_size, num_experts, expert_output):
+    """Sum over the ranks a token reached of `expert_output(receiving_rank, row)`, in fp32."""
+    local = num_experts // world_size
+    x, topk, w = inputs[rank]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    out_w = torch.zeros(w.shape, dtype=torch.float32)
+    for t in range(x.size(0)):
+        for q in range(world_size):
+            mine = [int(e) >= 0 and int(e) // local == q for e in topk[t]]
+            if any(mine):
+                out[t] += expert_output(q, x[t].float())
+                out_w[t] += torch.tensor([float(v) if m else 0.0 for v, m in zip(w[t], mine)])
+    return out, out_w
+
+
+def layout_args(buffer, topk, num_experts):
+    num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, _ = \
+        buffer.get_dispatch_layout(topk, num_experts)
+    assert rdma is None
+    return dict(num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert)
+
+
+def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alignment=1, num_worst_tokens=0):
+    """One dispatch + combine on `buffer`, checked against the oracle. Returns the handle."""
+    x, topk, w = inputs[rank]
+    ref_x, ref_idx, ref_w, ref_per_expert, ref_src = expected_dispatch(inputs, rank, world_size, num_experts)
+    n_recv = ref_x.size(0)
+    if mode == "fp8_input":
+        x_in = fp8_lib.quantize_1x128(x)
+    else:
+        x_in = x
+    recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
+        x_in, topk_idx=topk, topk_weights=w, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+        fp8=(mode in ("fp8", "fp8_dequantize")), dequantize=(mode == "fp8_dequantize"),
+        **layout_args(buffer, topk, num_experts))
+    event.current_stream_wait()
+    rows = num_worst_tokens if num_worst_tokens else n_recv
+
+    if mode in ("fp8", "fp8_input"):
+        assert isinstance(recv_x, tuple)
+        recv_fp8, recv_scales = recv_x
+        assert recv_fp8.dtype == torch.float8_e4m3fn and recv_scales.dtype == torch.float32
+        assert recv_fp8.shape == (rows, x.size(1)) and recv_scales.shape == (rows, x.size(1) // 128), \
+            (recv_fp8.shape, recv_scales.shape, rows, x.shape)
+        ref_fp8, ref_scales = fp8_lib.quantize_1x128(ref_x)
+        assert torch.equal(recv_fp8[:n_recv].view(torch.uint8), ref_fp8.view(torch.uint8))
+        assert torch.equal(recv_scales[:n_recv], ref_scales)
+    elif mode == "fp8_dequantize":
+        assert recv_x.dtype == x.dtype and recv_x.shape == (rows, x.size(1))
+        assert torch.equal(recv_x[:n_recv], fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(ref_x), x.dtype))
+    else:
+        assert recv_x.dtype == x.dtype and recv_x.shape == (rows, x.size(1))
+        assert torch.equal(recv_x[:n_recv], ref_x)
+    assert torch.equal(recv_idx[:n_recv], ref_idx)
+    assert torch.equal(recv_w[:n_recv], ref_w)
+    assert handle.num_recv_tokens == n_recv
+    assert handle.recv_src_idx.tolist() == [t for _, t in ref_src]
+    assert handle.rank_prefix_matrix[:, rank].tolist() == \
+        torch.tensor([sum(1 for s, _ in ref_src if s <= q) for q in range(world_size)]).tolist()
+    if num_worst_tokens:
+        assert per_expert == []
+        assert bool((recv_idx[n_recv:] == -1).all()) and bool((recv_w[n_recv:] == 0).all())
+    else:
+        assert per_expert == [-(-c // expert_alignment) * expert_alignment for c in ref_per_expert]
+
+    # Combine: each rank returns its rows scaled by (rank + 1), so the oracle can tell the copies apart.
+    values = recv_x if isinstance(recv_x, torch.Tensor) else fp8_lib.dequantize_1x128(*recv_x, torch.bfloat16)
+    if mode in ("fp8", "fp8_dequantize", "fp8_input"):
+        # The receivers hold the dequantized tokens; quantization is per row, so quantize every rank's x whole.
+        own_inputs = [(fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(xi), values.dtype), ti, wi)
+                      for xi, ti, wi in inputs]
+    else:
+        own_inputs = inputs
+    combined, combined_w, event = buffer.combine(values * (rank + 1), handle, topk_weights=recv_w)
+    event.current_stream_wait()
+    ref_out, ref_out_w = expected_combine(own_inputs, rank, world_size, num_experts,
+                                          lambda q, row: (row.to(values.dtype) * (q + 1)).float())
+    assert combined.dtype == values.dtype and combined.shape == x.shape
+    torch.testing.assert_close(combined, ref_out.to(values.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(combined_w, ref_out_w, rtol=1e-6, atol=1e-6)
+    return handle
+
+
+# -- cases (run on every rank of a pool) ---------------------------------------------------------------------
+
+def case_dispatch_combine(rank, world_size, seed, num_tokens, hidden, num_experts, num_topk, mode, special,
+                          expert_alignment, num_worst_tokens, dtype):
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    inputs = make_inputs(seed, world_size, num_tokens, hidden, num_experts, num_topk, dtype=dtype,
+                         only_rank=(world_size - 1 if special == "one_rank" else None),
+                         silent_rank=(1 if special == "silent_rank" else None),
+                         drop=0.0 if special == "one_rank" else 0.25)
+    check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alignment, num_worst_tokens)
+
+
+def case_reuse_and_cached(rank, world_size, seed, rounds):
+    """One buffer, many rounds with changing layouts and shapes; outputs of earlier rounds are poisoned in place
+    (a transport that aliased them into the next round would be caught); cached-handle dispatches in between."""
+    hint = Buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, timeout_s=10)
+    g = torch.Generator().manual_seed(seed)
+    previous = []
+    for round_index in range(rounds):
+        hidden = [2048, 4096, 256, 7168 // 2][round_index % 4]
+        num_topk = [1, 9, 4, 2, 6][round_index % 5]
+        num_experts = 36 if world_size == 4 else 18
+        num_tokens = torch.randint(0, 12, (world_size,), generator=g).tolist()
+        dtype = torch.float32 if round_index % 3 == 0 else torch.bfloat16
+        inputs = make_inputs(seed * 1000 + round_index, world_size, num_tokens, hidden, num_experts, num_topk,
+                             dtype=dtype, drop=0.3)
+        mode = ["bf16", "fp8", "fp8_dequantize", "fp8_input"][round_index % 4] if dtype == torch.bfloat16 \
+            else "bf16"
+        handle = check_round(buffer, rank, world_size, inputs, num_experts, mode)
+        for t in previous:
+            t.fill_(float("nan"))
+
+        # Cached mode: new values along the same layout land in the same rows.
+        x_new = torch.randn(inputs[rank][0].shape).to(dtype)  # rank-local values; `g` must stay in step
+        recv_new, recv_idx, recv_w, per_expert, same_handle, _ = buffer.dispatch(x_new, handle=handle)
+        assert recv_idx is None and recv_w is None and per_expert is None and same_handle is handle
+        # Oracle for the cached rows: the same (source, token) order as the uncached dispatch.
+        _, _, _, _, src = expected_dispatch(inputs, rank, world_size, num_experts)
+        gathered = [torch.empty(0)] * world_size
+        dist.all_gather_object(gathered, x_new)
+        assert torch.equal(recv_new, torch.stack([gathered[s][t] for s, t in src]) if src
+                           else torch.empty(0, hidden, dtype=dtype))
+        previous = [recv_new]
+    return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
+
+
+# -- tests -----------------------------------------------------------------------------------------------------
+
+DISPATCH_CASES = [
+    # world, tokens per rank, hidden, experts, topk, mode, special, alignment, worst, dtype
+    (2, [5, 3], 2048, 8, 1, "bf16", None, 1, 0, torch.bfloat16),
+    (2, [6, 4], 7168, 16, 9, "bf16", None, 4, 0, torch.bfloat16),
+    (2, [4, 4], 4096, 8, 4, "fp8", None, 1, 0, torch.bfloat16),
+    (2, [3, 5], 7168, 16, 8, "fp8_dequantize", None, 1, 0, torch.bfloat16),
+    (2, [4, 2], 2048, 8, 2, "fp8_input", None, 1, 0, torch.bfloat16),
+    (2, [5, 0], 2048, 8, 3, "bf16", None, 1, 0, torch.bfloat16),        # a rank with no tokens at all
+    (2, [4, 6], 2048, 8, 3, "bf16", "silent_rank", 1, 0, torch.float32),  # rank 1's tokens go nowhere
+    (2, [4, 6], 3072, 8, 4, "bf16", "one_rank", 8, 0, torch.bfloat16),  # every token to rank 1
+    (2, [5, 3], 2048, 8, 2, "bf16", None, 1, 16, torch.bfloat16),       # padded, no host-side counts
+    (4, [3, 5, 0, 4], 2048, 16, 4, "bf16", None, 1, 0, torch.bfloat16),
+    (4, [2, 3, 2, 3], 7168, 36, 9, "fp8", None, 2, 0, torch.bfloat16),
+    (4, [4, 1, 3, 2], 4096, 16, 1, "fp8_dequantize", None, 1, 0, torch.bfloat16),
+    (4, [3, 3, 3, 3], 2048, 16, 5, "bf16", "silent_rank", 1, 0, torch.bfloat16),
+    (4, [3, 2, 4, 1], 6144, 32, 8, "bf16", "one_rank", 1, 0, torch.float32),
+    (4, [2, 4, 3, 2], 2048, 8, 2, "fp8_input", None, 1, 12, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", DISPATCH_CASES, ids=lambda c: f"ep{c[0]}-h{c[2]}-k{c[4]}-{c[5]}-{c[6]}-w{c[8]}")
+def test_dispatch_combine_against_oracle(case):
+    world_size, *params = case
+    gloo_pool(world_size).run(case_dispatch_combine, 1234 + DISPATCH_CASES.index(case), *params)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
+    hints = gloo_pool(world_size).run(case_reuse_and_cached, 77 + world_size, 10)
+    # 12 tokens x (4096 fp32 values + 9 x 12 bytes of top-k + 4 bytes of source index, padded to 16) per source
+    # rank, plus a (11 + world_size)-word header per rank.
+    row = -(-(4096 * 4 + 9 * 12 + 4) // 16) * 16
+    assert hints == [world_size * (12 * row + -(-(11 + world_size) * 8 // 16) * 16)] * world_size
