@@ -1,0 +1,467 @@
+"""DualPipe and DualPipeV runtimes: walk `comm_plan` (the ops of `schedule`, with p2p batches)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from .schedule import (Batch, Op, check_chunks, chunks_per_lane, comm_plan, header_first, lanes)
+from .weight_grad import WeightGradStore
+
+HEADER_LEN = 64
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES.append(getattr(torch, _name))
+
+
+def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from `tensors` with `grads`, skipping autograd's shape check: the pipeline frees
+    the storage of stage outputs once they are sent, and only their autograd graph is needed."""
+    Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
+
+
+def _encode_header(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    code = [len(tensors)]
+    for t in tensors:
+        code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(code) > HEADER_LEN:
+        raise ValueError(f"stage outputs {[tuple(t.shape) for t in tensors]} do not fit a "
+                         f"{HEADER_LEN}-entry p2p header; return fewer tensors or fewer dimensions")
+    return torch.tensor(code + [0] * (HEADER_LEN - len(code)), dtype=torch.int64, device=device)
+
+
+def _decode_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    code = header.tolist()
+    out, i = [], 1
+    for _ in range(code[0]):
+        dtype, ndim = _DTYPES[code[i]], code[i + 1]
+        out.append((tuple(code[i + 2:i + 2 + ndim]), dtype))
+        i += 2 + ndim
+    return out
+
+
+class _Pipeline(nn.Module):
+    kind = ""
+
+    def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
+                 process_group: dist.ProcessGroup | None = None,
+                 rank_mapping: list[int] | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
+                isinstance(m, nn.Module) for m in modules):
+            raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
+        t0, t1 = type(modules[0]), type(modules[1])
+        hooked = [t for t in (t0, t1) if hasattr(t, "overlapped_forward_backward")]
+        if hooked and t0 is not t1:
+            raise TypeError(
+                f"{name}: {hooked[0].__name__} defines overlapped_forward_backward but the modules "
+                f"differ in type ({t0.__name__}, {t1.__name__}); an F&B step runs one module's "
+                f"forward with the other's backward, so give both modules the same type, or "
+                f"remove the hook to run forward then backward")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{name} needs torch.distributed: call init_process_group first")
+        self.module = nn.ModuleList(modules)
+        self.overlapped_forward_backward = bool(hooked)
+        self.batch_dim = batch_dim
+        self.group = process_group or dist.group.WORLD
+        self.num_ranks = self.group.size()
+        if rank_mapping is None:
+            rank_mapping = list(range(self.num_ranks))
+        if sorted(rank_mapping) != list(range(self.num_ranks)):
+            raise ValueError(f"{name}: rank_mapping must be a permutation of 0..{self.num_ranks - 1} "
+                             f"(one pipeline rank per process-group rank); got {rank_mapping}")
+        if self.kind == "dualpipe" and self.num_ranks % 2:
+            raise ValueError(f"DualPipe needs an even number of ranks in its process group, got "
+                             f"{self.num_ranks}; use DualPipeV, which takes any number of ranks")
+        self.rank = rank_mapping[self.group.rank()]
+        group_rank_of = {pp_rank: g for g, pp_rank in enumerate(rank_mapping)}
+        world = self.group is dist.group.WORLD
+        self._peer = {r: g if world else dist.get_global_rank(self.group, g) for r, g in group_rank_of.items()}
+        self._lanes = lanes(self.kind, self.num_ranks)
+        self._next: dict[int, tuple[int, int] | None] = {}
+        self._prev: dict[int, tuple[int, int] | None] = {}
+        for lane in self._lanes:
+            for i, (r, m) in enumerate(lane):
+                if r == self.rank:
+                    self._prev[m] = lane[i - 1] if i > 0 else None
+                    self._next[m] = lane[i + 1] if i + 1 < len(lane) else None
+        self._plans: dict[tuple[int, bool], list] = {}
+        self._known_streams: set = set()
+        self._stream_meta: dict = {}
+        self.op_hook: Callable[[Op, str], None] | None = None
+        """Called as op_hook(op, "start") before and op_hook(op, "end") after each compute op."""
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            return t.device
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def reset_shapes(self) -> None:
+        """Forget the learned shapes of the tensors passed between ranks. Call it on every rank
+        before a step whose micro-batches have other shapes than before."""
+        self._known_streams.clear()
+        self._stream_meta.clear()
+
+    def _plan(self, num_chunks: int, forward_only: bool) -> list:
+        key = (num_chunks, forward_only)
+        if key not in self._plans:
+            self._plans[key] = comm_plan(self.kind, self.num_ranks, num_chunks, self.rank, forward_only)
+        return self._plans[key]
+
+    # ----------------------------------------------------------------------------------------
+    def step(self, *inputs: torch.Tensor, num_chunks: int = 0, criterion: Callable | None = None,
+             labels: Sequence[torch.Tensor] = (), return_outputs: bool = False):
+        """Run one training step (forward and backward of every micro-batch), or with
+        torch.no_grad() one forward-only step.
+
+        inputs: the batch, split into micro-batches along batch_dim. Read only on ranks where a
+          lane starts (DualPipe: first and last rank, DualPipeV: first rank).
+        num_chunks: number of micro-batches (DualPipe: even and >= 2*ranks, half of them enter at
+          each end; DualPipeV: >= 2*ranks).
+        criterion: loss, called as criterion(*stage_outputs, *labels) per micro-batch where a lane
+          ends (DualPipe: first and last rank, DualPipeV: first rank); required there to train.
+        labels: tensors split like inputs. On DualPipe's first rank they belong to the inputs of
+          the last rank and vice versa.
+        return_outputs: also return the last stage's outputs.
+
+        Returns (loss, outputs): loss is a tensor of num_chunks (DualPipe: num_chunks/2) detached
+        per-micro-batch losses where a lane ends, else None; outputs are the last stage's outputs
+        concatenated along batch_dim there when return_outputs, else None. Gradients accumulate
+        into .grad as the sum over micro-batches of each loss's gradient.
+        """
+        forward_only = not torch.is_grad_enabled()
+        per_lane = chunks_per_lane(self.kind, num_chunks) if isinstance(num_chunks, int) else 0
+        first_module = [m for m, prev in self._prev.items() if prev is None]
+        last_module = [m for m, nxt in self._next.items() if nxt is None]
+        error = None
+        try:
+            self._check_step_args(inputs, num_chunks, criterion, labels, forward_only, first_module, last_module)
+        except (ValueError, TypeError) as e:
+            error = e
+        self._agree_on_args(error)
+        self._forward_only = forward_only
+        self._return_outputs = return_outputs
+        self._criterion = criterion
+        self._inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._out_meta: dict[tuple[int, int], list] = {}
+        self._out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._results: dict[int, list[torch.Tensor]] = {}
+        self._labels = list(zip(*[t.split(t.shape[self.batch_dim] // per_lane, self.batch_dim)
+                                  for t in labels])) if last_module else []
+        if first_module:
+            split = [t.split(t.shape[self.batch_dim] // per_lane, self.batch_dim) for t in inputs]
+            for c, chunk in enumerate(zip(*split)):
+                self._inputs[(first_module[0], c)] = [self._as_input(t) for t in chunk]
+        WeightGradStore.clear()
+
+        try:
+            for item in self._plan(num_chunks, forward_only):
+                if isinstance(item, Batch):
+                    self._exchange(item)
+                else:
+                    if self.op_hook is not None:
+                        self.op_hook(item, "start")
+                    self._run(item)
+                    if self.op_hook is not None:
+                        self.op_hook(item, "end")
+            if WeightGradStore.queue or WeightGradStore.cache:
+                raise RuntimeError(f"{name}: deferred weight gradients left after the step")
+        finally:
+            WeightGradStore.clear()
+
+        loss = outputs = None
+        if last_module:
+            if criterion is not None:
+                loss = torch.stack([self._losses[c] for c in range(per_lane)])
+            if return_outputs:
+                outputs = [torch.cat(ts, self.batch_dim)
+                           for ts in zip(*[self._results[c] for c in range(per_lane)])]
+                outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        del self._inputs, self._outputs, self._out_grads, self._in_grads, self._losses, self._results
+        return loss, outputs
+
+    def _check_step_args(self, inputs, num_chunks, criterion, labels, forward_only, first_module,
+                         last_module) -> None:
+        name = type(self).__name__
+        check_chunks(self.kind, self.num_ranks, num_chunks)
+        per_lane = chunks_per_lane(self.kind, num_chunks)
+        if first_module:
+            if not inputs:
+                raise ValueError(f"{name}.step: rank {self.rank} runs a first stage and needs inputs")
+            self._split_check(inputs, per_lane, "input")
+        if last_module:
+            if criterion is None and not forward_only:
+                raise ValueError(f"{name}.step: rank {self.rank} runs a last stage and needs a "
+                                 f"criterion to train (or call step under torch.no_grad())")
+            self._split_check(labels, per_lane, "label")
+
+    def _agree_on_args(self, error: Exception | None) -> None:
+        """All ranks learn whether any rank's step arguments are invalid, so that all raise
+        before the first p2p message instead of some waiting for a peer that gave up. The first
+        call also creates the NCCL communicator with every rank taking part, which NCCL's
+        batched p2p needs."""
+        flag = torch.tensor([0 if error is None else self.rank + 1], device=self.device)
+        if self.num_ranks > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if error is not None:
+            raise error
+        if flag.item():
+            raise RuntimeError(f"{type(self).__name__}.step: rank {flag.item() - 1} rejected its "
+                               f"step arguments (see its error); no rank started the step")
+
+    def _split_check(self, tensors, per_lane: int, what: str) -> None:
+        name = type(self).__name__
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}.step: {what} {i} is a {type(t).__name__}, not a tensor")
+            size = t.shape[self.batch_dim] if t.dim() > self.batch_dim else None
+            if size is None or size % per_lane:
+                raise ValueError(
+                    f"{name}.step: {what} {i} has shape {tuple(t.shape)}; its batch_dim "
+                    f"{self.batch_dim} must be divisible into {per_lane} micro-batches"
+                    + (" (DualPipe sends num_chunks/2 through each lane)" if self.kind == "dualpipe" else "")
+                    + "; change num_chunks or the batch size")
+
+    def _as_input(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(not self._forward_only and t.is_floating_point())
+
+    # ----------------------------------------------------------------------------------------
+    def _run(self, op: Op) -> None:
+        if op.kind == "W":
+            if not self._forward_only:
+                WeightGradStore.pop()
+            return
+        if self._forward_only or op.kind == "F" or (op.kind == "FB" and not self.overlapped_forward_backward):
+            if op.forward is not None:
+                self._forward(*op.forward)
+            if op.backward is not None and not self._forward_only:
+                self._backward(*op.backward, split=op.split)
+            return
+        if op.kind == "B":
+            self._backward(*op.backward, split=op.split)
+            return
+        fm, fc = op.forward
+        bm, bc = op.backward
+        criterion, labels = self._loss_fn(fm, fc)
+        loss_b, outputs_b, grads_b = self._backward_inputs(bm, bc)
+        outputs_f, loss_f = type(self.module[fm]).overlapped_forward_backward(
+            self.module[fm], self._inputs[(fm, fc)], criterion, labels,
+            self.module[bm], loss_b, outputs_b, grads_b)
+        self._after_forward(fm, fc, outputs_f, loss_f)
+        self._after_backward(bm, bc)
+
+    def _loss_fn(self, m: int, c: int):
+        if self._next[m] is None and self._criterion is not None:
+            return self._criterion, list(self._labels[c]) if self._labels else []
+        return None, []
+
+    def _forward(self, m: int, c: int) -> None:
+        inputs = self._inputs[(m, c)]
+        if self._forward_only:
+            del self._inputs[(m, c)]
+        outputs = self.module[m](*inputs)
+        criterion, labels = self._loss_fn(m, c)
+        loss = criterion(*([outputs] if isinstance(outputs, torch.Tensor) else outputs), *labels) \
+            if criterion is not None else None
+        self._after_forward(m, c, outputs, loss)
+
+    def _after_forward(self, m: int, c: int, outputs, loss) -> None:
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        nxt = self._next[m]
+        if nxt is None:
+            if loss is not None:
+                self._losses[c] = loss
+            if self._return_outputs:
+                self._results[c] = [o.detach() for o in outputs]
+            return
+        self._out_meta[(m, c)] = [(o.shape, o.dtype) for o in outputs]
+        if nxt[0] == self.rank:  # the V's turn: hand over without communication
+            self._inputs[(nxt[1], c)] = [self._as_input(o) for o in outputs]
+        if not self._forward_only or nxt[0] != self.rank:
+            self._outputs[(m, c)] = outputs
+
+    def _backward_inputs(self, m: int, c: int):
+        """(loss, outputs, output grads) to run the backward of (m, c) from."""
+        if self._next[m] is None:
+            return self._losses[c], [], []
+        outputs = self._outputs.pop((m, c))
+        grads = iter(self._out_grads.pop((m, c)))
+        pairs = [(o, next(grads)) for o in outputs if o.is_floating_point()]
+        pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        return None, [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, m: int, c: int, split: bool) -> None:
+        loss, outputs, grads = self._backward_inputs(m, c)
+        WeightGradStore.enabled = split
+        try:
+            if loss is not None:
+                loss.backward()
+            elif outputs:
+                run_backward(outputs, grads)
+        finally:
+            WeightGradStore.enabled = False
+        if split:
+            WeightGradStore.flush()
+        self._after_backward(m, c)
+
+    def _after_backward(self, m: int, c: int) -> None:
+        if c in self._losses and self._next[m] is None:
+            self._losses[c] = self._losses[c].detach()
+        inputs = self._inputs.pop((m, c))
+        prev = self._prev[m]
+        if prev is None:
+            return
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                 for t in inputs if t.is_floating_point()]
+        if prev[0] == self.rank:
+            self._out_grads[(prev[1], c)] = grads
+        else:
+            self._in_grads[(m, c)] = grads
+
+    # ----------------------------------------------------------------------------------------
+    def _exchange(self, batch: Batch) -> None:
+        name = type(self).__name__
+        device = self.device
+        sent: list[tuple[int, int]] = []
+        for sub in header_first(batch, self._known_streams):
+            ops, headers = [], []
+            for direction, msg, is_header in sub:
+                if direction == "send":
+                    peer = self._peer[msg.dst]
+                    if msg.kind == "act":
+                        tensors = self._outputs[(msg.src_module, msg.chunk)]
+                        stream = (msg.dst, msg.src_module)
+                        meta = [(tuple(t.shape), t.dtype) for t in tensors]
+                        if is_header:
+                            self._stream_meta[("out",) + stream] = meta
+                            tensors = [_encode_header(tensors, device)]
+                        elif self._stream_meta.get(("out",) + stream) != meta:
+                            raise RuntimeError(
+                                f"{name}: stage outputs changed from {self._stream_meta.get(('out',) + stream)} "
+                                f"to {meta} since shapes were learned; call reset_shapes() on every rank first")
+                        else:
+                            sent.append((msg.src_module, msg.chunk))
+                    else:
+                        tensors = self._in_grads.pop((msg.src_module, msg.chunk))
+                    ops += [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t in tensors]
+                else:
+                    peer = self._peer[msg.src]
+                    if is_header:
+                        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+                        headers.append(((msg.src, msg.src_module), buf))
+                        ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
+                        continue
+                    if msg.kind == "act":
+                        meta = self._stream_meta[("in", msg.src, msg.src_module)]
+                        bufs = [torch.empty(s, dtype=d, device=device) for s, d in meta]
+                        self._inputs[(msg.dst_module, msg.chunk)] = bufs
+                    else:
+                        meta = [(s, d) for s, d in self._out_meta[(msg.dst_module, msg.chunk)]
+                                if d.is_floating_point]
+                        bufs = [torch.empty(s, dtype=d, device=device) for s, d in meta]
+                        self._out_grads[(msg.dst_module, msg.chunk)] = bufs
+                    ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for (src, src_module), buf in headers:
+                self._stream_meta[("in", src, src_module)] = _decode_header(buf)
+        for msg in batch.recvs:
+            if msg.kind == "act" and not self._forward_only:
+                for t in self._inputs[(msg.dst_module, msg.chunk)]:
+                    t.requires_grad_(t.is_floating_point())
+        for key in sent:
+            self._release_output(key)
+
+    def _release_output(self, key: tuple[int, int]) -> None:
+        """Free the storage of sent outputs; their autograd graph stays for the backward."""
+        if self._forward_only:
+            del self._outputs[key]
+            return
+        if self.overlapped_forward_backward:
+            return  # the hook may use torch.autograd.backward, which checks output shapes
+        inputs = self._inputs.get(key, [])
+        for t in self._outputs[key]:
+            if t._base is None and t.grad_fn is not None and not any(t is i for i in inputs):
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+class DualPipe(_Pipeline):
+    """DualPipe (DeepSeek-V3 report, section 3.2.1): micro-batches enter at both ends of the
+    pipeline at once, and a forward of one direction runs with a backward of the other.
+
+    Every rank holds two modules: modules[0] is stage `rank` of the direction that starts on rank
+    0, modules[1] is stage `rank` of the direction that starts on the last rank, so rank r's
+    modules[1] is a copy of rank (ranks-1-r)'s modules[0]. Give the pair the same weights and call
+    `sum_stage_copies(pipe)` after `step` to add their gradients.
+
+    modules: (module0, module1). If their type defines the classmethod or staticmethod
+      `overlapped_forward_backward(m0, inputs0, criterion0, labels0, m1, loss1, outputs1,
+      output_grads1) -> (outputs0, loss0)`, F&B steps call it to overlap the forward of m0 with the
+      backward of m1 (from loss1 on the last stage, else from outputs1 with output_grads1);
+      otherwise they run the forward, then the backward.
+    batch_dim: dimension along which inputs and labels are split into micro-batches.
+    process_group: the pipeline's ranks (default: the world); needs an even size.
+    rank_mapping: rank_mapping[i] is the pipeline rank of process-group rank i (default identity).
+
+    Stage outputs must be a tensor or a tuple/list of tensors; what a rank sends is learned on the
+    first step (see `reset_shapes`). Works with any backend that has p2p (NCCL, gloo).
+    """
+
+    kind = "dualpipe"
+
+
+class DualPipeV(_Pipeline):
+    """DualPipeV: DualPipe cut in half ("V" schedule). With R ranks the model has 2R stages; rank r
+    holds modules[0] = stage r and modules[1] = stage 2R-1-r, so the first rank runs both the first
+    and the last stage (inputs, labels, criterion and the loss are all on rank 0).
+
+    Arguments as for `DualPipe`; any number of ranks, num_chunks >= 2*ranks.
+    """
+
+    kind = "dualpipev"
+
+
+def sum_stage_copies(pipe: _Pipeline) -> None:
+    """Add up the gradients of the two copies of each DualPipe stage (rank r's modules[0] and rank
+    (ranks-1-r)'s modules[1]) so that both copies hold the full gradient and stay equal after an
+    optimizer step. One p2p exchange with the mirror rank. DualPipeV holds one copy of each stage:
+    nothing to do."""
+    if not isinstance(pipe, DualPipe):
+        return
+    partner = pipe.num_ranks - 1 - pipe.rank
+    order = (0, 1) if pipe.rank < partner else (1, 0)
+    params = [p for m in order for p in pipe.module[m].parameters() if p.requires_grad]
+    mine = torch.tensor([len(params), sum(p.numel() for p in params)], device=pipe.device)
+    theirs = torch.empty_like(mine)
+    peer = pipe._peer[partner]
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, pipe.group),
+                                        dist.P2POp(dist.irecv, theirs, peer, pipe.group)]):
+        work.wait()
+    if not torch.equal(mine, theirs):
+        raise ValueError(f"sum_stage_copies: rank {pipe.rank} holds {mine.tolist()} (parameters, "
+                         f"elements) but its mirror rank {partner} holds {theirs.tolist()}; the two "
+                         f"copies of a stage must have the same parameters")
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    received = [torch.empty_like(g) for g in grads]
+    ops = [dist.P2POp(dist.isend, g.contiguous(), peer, pipe.group) for g in grads]
+    ops += [dist.P2POp(dist.irecv, r, peer, pipe.group) for r in received]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for p, g, r in zip(params, grads, received):
+        p.grad = g + r

@@ -1,0 +1,98 @@
+"""Deferred weight gradients (the B/W split of zero-bubble pipelines)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """Process-wide queue of deferred weight-gradient computations.
+
+    While `enabled` is True, layers that support it (such as `Linear`) compute only input
+    gradients in backward and `put` a closure that computes and accumulates their weight
+    gradients. The pipeline schedule calls `flush` after such a backward, which makes the closures
+    of that backward one queue entry, and `pop` in a later "W" op, which runs the oldest entry.
+    """
+
+    enabled: bool = False
+    cache: list[Callable[[], None]] = []
+    queue: deque[list[Callable[[], None]]] = deque()
+
+    @classmethod
+    def put(cls, fn: Callable[[], None]) -> None:
+        cls.cache.append(fn)
+
+    @classmethod
+    def flush(cls) -> None:
+        cls.queue.append(cls.cache)
+        cls.cache = []
+
+    @classmethod
+    def pop(cls) -> None:
+        if not cls.queue:
+            raise RuntimeError("WeightGradStore.pop: no deferred weight gradients are queued")
+        for fn in cls.queue.popleft():
+            fn()
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.enabled = False
+        cls.cache = []
+        cls.queue = deque()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        param_w, param_b = ctx.params
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        need_w, need_b = ctx.needs_input_grad[1], param_b is not None and ctx.needs_input_grad[2]
+
+        def weight_grads():
+            g = grad_out.reshape(-1, grad_out.shape[-1])
+            gw = g.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+            gb = g.sum(0) if need_b else None
+            return gw, gb
+
+        if WeightGradStore.enabled and (need_w or need_b):
+            def deferred():
+                gw, gb = weight_grads()
+                if gw is not None:
+                    _accumulate(param_w, gw)
+                if gb is not None:
+                    _accumulate(param_b, gb)
+
+            WeightGradStore.put(deferred)
+            return grad_x, None, None
+        gw, gb = weight_grads()
+        return grad_x, gw, gb
+
+
+class Linear(torch.nn.Linear):
+    """`torch.nn.Linear` whose weight gradient can be deferred to a pipeline "W" op.
+
+    Outside a split backward (or outside a pipeline) it behaves like `torch.nn.Linear`, and its
+    gradients equal `torch.nn.Linear`'s. Inside a backward that the schedule runs with
+    `WeightGradStore.enabled`, backward returns only dX and queues dW (and db) for later.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFunction.apply(x, self.weight, self.bias)
