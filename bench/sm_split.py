@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIGURES, environment, time_ms, write_result  # noqa: E402
+from common import FIGURES, concurrent_run, environment, time_ms, write_result  # noqa: E402
 
 from smsplit.budget import SmBudget  # noqa: E402
 from smsplit.copy import sm_copy  # noqa: E402
@@ -35,33 +35,6 @@ def gemm_tflops(ms: float, n: int) -> float:
 
 def copy_gbps(ms: float, nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
-
-
-def concurrent_run(budget, gemm, copy, n_gemm, n_copy):
-    """Start both loops at the same instant (both streams wait on one event recorded after a sleep
-    kernel, so every launch is queued before either starts). Returns the per-kernel times of the
-    GEMMs that ran entirely while copies ran, and of the copies that ran entirely while GEMMs ran."""
-    torch.cuda.synchronize()
-    gate = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)  # ~25 ms at 2 GHz: time to queue everything
-    gate.record()
-    spans = {"gemm": [], "copy": []}
-    for stream, fn, n, name in ((budget.compute_stream, gemm, n_gemm, "gemm"), (budget.comm_stream, copy, n_copy, "copy")):
-        stream.wait_event(gate)
-        with torch.cuda.stream(stream):
-            for _ in range(n):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(stream)
-                fn()
-                e1.record(stream)
-                spans[name].append((e0, e1))
-    torch.cuda.synchronize()
-    window = {k: [(gate.elapsed_time(a), gate.elapsed_time(b)) for a, b in v] for k, v in spans.items()}
-    g_lo, g_hi = window["gemm"][0][0], window["gemm"][-1][1]
-    c_lo, c_hi = window["copy"][0][0], window["copy"][-1][1]
-    gemm_inside = [b - a for a, b in window["gemm"] if a >= c_lo and b <= c_hi]
-    copy_inside = [b - a for a, b in window["copy"] if a >= g_lo and b <= g_hi]
-    return gemm_inside, copy_inside, {"gemm_window_ms": [g_lo, g_hi], "copy_window_ms": [c_lo, c_hi]}
 
 
 def traced_round(budget, a, b, src, dst, programs, block, warps, title, png, chrome):

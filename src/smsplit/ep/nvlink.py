@@ -92,10 +92,11 @@ def _finish(state_ptr, phase, expected, per_source, programs):
 # --- notify ------------------------------------------------------------------------------------------
 
 @triton.jit
-def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_ptr, status_ptr,
+def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_ptr, status_addr,
                   rank, R, num_worst, timeout_ns, RP: tl.constexpr):
     """layout_ptr (int32): [0, R) where this rank's tokens start on each destination,
     [R, 2R] where each source's tokens start here (prefix, last = total), [2R + 1] rows received."""
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     expected = tl.load(state_ptr + 0, volatile=True)
     d = tl.arange(0, RP)
     dmask = d < R
@@ -129,7 +130,7 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
 
 @triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
-                    status_ptr, T, H, K, R, rank, num_local_experts, num_worst,
+                    status_addr, T, H, K, R, rank, num_local_experts, num_worst,
                     off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -137,6 +138,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     trace_ptr, trace_tag):
     """x rows go to receive row ``send_start[d] + pos[t, d]`` of every destination d with pos >= 0.
     X_BYTES: bytes per element of the received x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantize."""
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
@@ -221,13 +223,14 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 # --- combine -----------------------------------------------------------------------------------------
 
 @triton.jit
-def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_ptr,
+def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr,
                    out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, n_rows,
                    off_cx, off_cw, sig_off, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Push received row r back to slot [rank][src[r]] of its source's combine area, then sum
     the slots [d][t] of this rank's tokens over the ranks d they went to (fp32) into out (bf16)."""
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 2, volatile=True)
@@ -277,3 +280,224 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     _finish(state_ptr, 2, expected, programs, programs)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
+
+
+# --- host side ---------------------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class NvlinkLayout:
+    """Device-side layout of one dispatch, kept for its combine.
+
+    Attributes:
+        pos: ``[num_tokens, num_ranks]`` int32, the token's index among this rank's tokens sent to
+            each rank, -1 where it is not sent there.
+        layout: int32 ``[2 * num_ranks + 2]`` written by the notify kernel: where this rank's tokens
+            start on each destination, where each source's tokens start here, rows received.
+        num_tokens: tokens on this rank.
+        num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
+    """
+
+    pos: torch.Tensor
+    layout: torch.Tensor
+    num_tokens: int
+    num_recv_rows: int
+
+    @property
+    def num_recv_tokens(self) -> torch.Tensor:
+        """Rows actually received, as a 1-element device tensor (no host synchronization)."""
+        return self.layout[-2:-1]
+
+
+class NvlinkTransport:
+    """SM-push dispatch/combine between the GPUs of one node (see the module docstring).
+
+    Args:
+        group: NCCL process group, one rank per GPU, all GPUs NVLink peers.
+        device: this rank's GPU.
+        num_sms: persistent programs per kernel (all ranks must use the same count); at most the
+            SMs the comm stream can reach.
+        max_tokens: the most tokens any rank dispatches in one call.
+        hidden: hidden size (a multiple of 128).
+        max_topk: the largest top-k (up to 16).
+        timeout_s: the longest a kernel waits for a peer before recording a timeout.
+    """
+
+    def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
+                 max_topk: int = 16, timeout_s: float = 60.0):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hidden % SCALE_BLOCK:
+            raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
+        if not 1 <= max_topk <= 16:
+            raise ValueError(f"max_topk must be in 1..16, got {max_topk}")
+        self.group = group
+        self.rank, self.num_ranks = group.rank(), group.size()
+        if self.num_ranks > 16:
+            raise ValueError(f"the NVLink transport handles up to 16 ranks, the group has {self.num_ranks}")
+        self.device = torch.device(device)
+        self.num_sms = num_sms
+        self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.timeout_s = timeout_s
+        R, M, H, K = self.num_ranks, max_tokens, hidden, max_topk
+        rows = R * M
+        sizes = {
+            "signals": 3 * 64, "counts": R * R * 4,
+            "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
+            "weights": rows * K * 4, "src": rows * 4,
+            "cx": R * M * H * 2, "cw": R * M * K * 4,
+        }
+        self.offsets, total = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = total
+            total += _align(size)
+        self.nbytes = total
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.buffer[: self.offsets["x"]].zero_()
+        self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
+        self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group, device_ids=[self.device.index])
+
+    @staticmethod
+    def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16) -> int:
+        """Bytes of the symmetric buffer each rank allocates."""
+        R, M, H, K = num_ranks, max_tokens, hidden, max_topk
+        rows = R * M
+        return sum(_align(s) for s in (3 * 64, R * R * 4, rows * H * 2, rows * (H // SCALE_BLOCK) * 4,
+                                       rows * K * 8, rows * K * 4, rows * 4, R * M * H * 2, R * M * K * 4))
+
+    # -- status ---------------------------------------------------------------------------------------
+
+    def raise_if_failed(self) -> None:
+        """Raise EPTimeoutError if a kernel recorded a timeout (reads pinned host memory; no sync)."""
+        phase, peer, seen, expected = self.status.tolist()
+        if phase == 0:
+            return
+        if phase == 4:
+            raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
+                             f"num_worst_tokens={seen}; received rows past it were not written")
+        name = PHASES[phase - 1]
+        what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
+        raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+
+    def _status_addr(self) -> int:
+        return self.status.data_ptr()
+
+    # -- views into this rank's buffer ------------------------------------------------------------------
+
+    def _view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        start = self.offsets[name]
+        return self.buffer[start: start + numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+    # -- dispatch / combine ---------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int,
+                 quantize: bool = False, num_worst_tokens: int = 0, cached: "NvlinkLayout | None" = None,
+                 trace=None):
+        """Send each token to the ranks in ``is_token_in_rank`` (see module docstring).
+
+        Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, layout)``;
+        recv_x is bf16 unless ``x`` is FP8 or ``quantize`` (then e4m3 with fp32 scales).
+        Tensors not asked for are None. All received tensors are views into the buffer.
+        ``cached``: the layout of an earlier dispatch with the same ``is_token_in_rank`` on every
+        rank; skips the count exchange.
+        """
+        self.raise_if_failed()
+        R, T = self.num_ranks, x.size(0)
+        H = x.size(1)
+        K = topk_idx.size(1) if topk_idx is not None else (topk_weights.size(1) if topk_weights is not None else 0)
+        if T > self.max_tokens or H != self.hidden or K > self.max_topk:
+            raise ValueError(f"x: {T} tokens x {H} hidden, top-k {K} exceed the transport's "
+                             f"max_tokens={self.max_tokens}, hidden={self.hidden}, max_topk={self.max_topk}")
+        fp8_in = x.dtype == torch.float8_e4m3fn
+        x_bytes = 1 if (fp8_in or quantize) else 2
+        torch.autograd.graph.increment_version(self.buffer)
+        if cached is not None:
+            if cached.num_tokens != T:
+                raise ValueError(f"cached: the cached layout is for {cached.num_tokens} tokens, x has {T}")
+            pos, layout = cached.pos, cached.layout
+            num_worst_tokens = cached.num_recv_rows if num_worst_tokens else 0
+        else:
+            pos = torch.cumsum(is_token_in_rank, 0, dtype=torch.int32) - 1
+            pos = torch.where(is_token_in_rank, pos, -1).contiguous()
+            counts = is_token_in_rank.sum(0, dtype=torch.int32)
+            layout = torch.empty(2 * R + 2, dtype=torch.int32, device=self.device)
+            notify_kernel[(1,)](counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
+                                layout, self._status_addr(), self.rank, R, num_worst_tokens, self.timeout_ns,
+                                RP=_pow2(R), num_warps=1)
+        if cached is not None and not num_worst_tokens:
+            rows = cached.num_recv_rows
+        elif num_worst_tokens > 0:
+            rows = num_worst_tokens
+        else:
+            rows = int(layout[2 * R].item())
+            self.raise_if_failed()
+        x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
+        dummy = layout
+        if trace is not None:
+            trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
+        else:
+            trace_view, tag = layout, 0
+        dispatch_kernel[(self.num_sms,)](
+            x_words, scales if scales is not None else dummy, topk_idx if topk_idx is not None else dummy,
+            topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state, self._status_addr(),
+            T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
+            self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
+            self.offsets["src"], self.offsets["signals"], self.timeout_ns,
+            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
+            HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
+            KP=_pow2(max(K, 1)), TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
+            num_warps=8 if H * x_bytes <= 8192 else 16,
+        )
+        n_groups = H // SCALE_BLOCK
+        recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
+        recv_scales = self._view("scales", torch.float32, (rows, n_groups)) if (quantize or scales is not None) else None
+        recv_topk = self._view("topk", torch.int64, (rows, K)) if topk_idx is not None else None
+        recv_weights = self._view("weights", torch.float32, (rows, K)) if topk_weights is not None else None
+        recv_src = self._view("src", torch.int32, (rows,))
+        return recv_x, recv_scales, recv_topk, recv_weights, recv_src, NvlinkLayout(pos, layout, T, rows)
+
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None):
+        """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum,
+        per token, the rows that come back (fp32). Returns ``(combined bf16 [num_tokens, hidden],
+        combined weights fp32 [num_tokens, K] or None)``; fresh tensors."""
+        self.raise_if_failed()
+        R, T, H = self.num_ranks, layout.num_tokens, self.hidden
+        if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
+            raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
+                             f"got {y.dtype} {tuple(y.shape)}")
+        K = y_weights.size(1) if y_weights is not None else 1
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
+        recv_src = self._view("src", torch.int32, (layout.num_recv_rows,))
+        if trace is not None:
+            trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
+        else:
+            trace_view, tag = layout.layout, 0
+        combine_kernel[(self.num_sms,)](
+            y.view(torch.uint8).view(torch.int32),
+            y_weights if y_weights is not None else out, recv_src, layout.layout, layout.pos, self.bases,
+            self.state, self._status_addr(), out, out_w if out_w is not None else out, T, H, K, R, self.rank,
+            self.max_tokens, layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
+            self.timeout_ns, VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R),
+            HAS_WEIGHTS=y_weights is not None, TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
+            num_warps=16,
+        )
+        return out, out_w

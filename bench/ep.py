@@ -1,0 +1,202 @@
+"""Expert-parallel dispatch/combine benchmark on the GPUs of one node (DeepSeek-V3 shape).
+
+Per rank: 4096 tokens, hidden 7168, 256 experts, top-8 (uniform random routing). For each comm SM
+count: BF16 dispatch, FP8 dispatch (quantization fused, from BF16 input), combine (BF16), each with
+the SM-push NVLink transport (``smsplit.ep.nvlink``) using exactly that many persistent programs.
+Dispatch is timed with a cached layout (as DeepEP's benchmark does) and with the count exchange.
+In the same run: NCCL ``all_to_all_single`` moving the same token bytes (all SMs), and a plain
+copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling). Then dispatch+combine
+on a green-context comm budget while a bf16 GEMM runs on the compute budget.
+
+Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py
+Writes bench/results/ep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import concurrent_run, environment, time_ms, write_result  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _max_over_ranks(value: float, dev) -> float:
+    t = torch.tensor([value], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    from smsplit.budget import SmBudget
+    from smsplit.ep.nvlink import NvlinkTransport
+
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    num_local = E // world
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    scores = torch.rand(T, E, generator=g)
+    topk = scores.topk(K, dim=1).indices.to(dev)
+    weights = torch.rand(T, K, generator=g).to(dev)
+    in_rank = torch.zeros(T, world, dtype=torch.bool, device=dev)
+    for r in range(world):
+        in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
+    transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
+                                max_topk=K, timeout_s=60)
+    worst = world * T
+
+    # layout and byte counts
+    _, _, _, _, _, layout = transport.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
+    torch.cuda.synchronize()
+    transport.raise_if_failed()
+    num_recv = int(layout.num_recv_tokens.item())
+    source_start = layout.layout[world: 2 * world + 1].tolist()  # per source, then the total
+    recv_from_peers = num_recv - (source_start[rank + 1] - source_start[rank])
+    send_counts = in_rank.sum(0).tolist()
+    sent_to_peers = sum(c for r, c in enumerate(send_counts) if r != rank)
+    meta_bytes = K * 8 + K * 4 + 4
+    bf16_row, fp8_row = H * 2, H + H // 128 * 4
+    res = {"rank": rank, "num_recv": num_recv, "recv_from_peers": recv_from_peers, "sent_to_peers": sent_to_peers,
+           "recv_bytes_bf16_deepep": num_recv * bf16_row, "rows": []}
+
+    def timed(fn, reps=args.reps):
+        dist.barrier(device_ids=[rank])
+        return time_ms(fn, warmup=3, repeat=reps)["median_ms"]
+
+    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+    for P in args.comm_sms:
+        transport.num_sms = P
+        row = {"comm_sms": P}
+        row["dispatch_bf16_cached_ms"] = timed(lambda: transport.dispatch(
+            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout))
+        row["dispatch_bf16_ms"] = timed(lambda: transport.dispatch(
+            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst))
+        row["dispatch_fp8_cached_ms"] = timed(lambda: transport.dispatch(
+            x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=layout))
+        transport.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout)
+        row["combine_ms"] = timed(lambda: transport.combine(y, None, layout))
+        transport.raise_if_failed()
+        for key in list(row):
+            if key.endswith("_ms"):
+                row[key] = _max_over_ranks(row[key], dev)
+        res["rows"].append(row)
+        if rank == 0:
+            print(f"P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
+                  f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us, "
+                  f"combine {row['combine_ms'] * 1e3:7.1f} us", flush=True)
+
+    # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
+    order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
+    send = x[order].contiguous()
+    counts_all = [torch.zeros(world, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(counts_all, in_rank.sum(0).to(torch.int64))
+    recv_splits = [int(c[rank]) for c in counts_all]
+    recv = torch.empty(sum(recv_splits), H, dtype=torch.bfloat16, device=dev)
+    nccl_ms = timed(lambda: dist.all_to_all_single(recv, send, recv_splits, send_counts))
+    res["nccl_all_to_all_ms"] = _max_over_ranks(nccl_ms, dev)
+
+    # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
+    peer = (rank + 1) % world
+    n_cross = sent_to_peers
+    dst = transport.handle.get_buffer(peer, (n_cross, H), torch.bfloat16, storage_offset=transport.offsets["cx"] // 2)
+    src = torch.randn(n_cross, H, generator=g).to(dev, torch.bfloat16)
+    ce_ms = timed(lambda: dst.copy_(src))
+    res["copy_engine_ms"] = _max_over_ranks(ce_ms, dev)
+    res["copy_engine_bytes"] = n_cross * H * 2
+    if rank == 0:
+        print(f"NCCL all_to_all_single {res['nccl_all_to_all_ms'] * 1e3:.1f} us; copy engine "
+              f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB", flush=True)
+
+    # concurrent: dispatch + combine on a green comm budget while a GEMM runs on the compute budget
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    gemm_full = timed(lambda: torch.matmul(a, b), reps=10)
+    conc = []
+    for asked in args.concurrent_sms:
+        with SmBudget(asked, device=dev, mode="green") as budget:
+            transport.num_sms = budget.comm_sms
+
+            def comm():
+                transport.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
+                                   num_worst_tokens=worst, cached=layout)
+                transport.combine(y, None, layout)
+
+            with torch.cuda.stream(budget.comm_stream):
+                comm_alone = timed(comm)
+            gemm_alone = time_ms(lambda: torch.matmul(a, b), stream=budget.compute_stream, repeat=10)["median_ms"]
+            dist.barrier(device_ids=[rank])
+            g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20,
+                                           max(4, int(1.4 * 20 * gemm_alone / comm_alone)))
+            transport.raise_if_failed()
+            entry = {"asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
+                     "gemm_full_gpu_ms": gemm_full, "gemm_alone_on_budget_ms": gemm_alone,
+                     "gemm_concurrent_ms": statistics.median(g_in) if g_in else None,
+                     "comm_alone_ms": comm_alone, "comm_concurrent_ms": statistics.median(c_in) if c_in else None,
+                     "samples": [len(g_in), len(c_in)]}
+            conc.append(entry)
+            if rank == 0:
+                print(f"concurrent (comm {budget.comm_sms} SMs): GEMM full {gemm_full:.3f} ms, on budget "
+                      f"{gemm_alone:.3f} ms, with comm {entry['gemm_concurrent_ms']} ms; fp8 dispatch+combine alone "
+                      f"{comm_alone * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms']} ms", flush=True)
+    res["concurrent"] = conc
+    if rank == 0:
+        queue.put(res)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
+    parser.add_argument("--concurrent-sms", type=int, nargs="+", default=[20])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--world", type=int, default=torch.cuda.device_count())
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.spawn(worker, args=(args.world, _free_port(), args, queue), nprocs=args.world, join=True)
+    res = queue.get(timeout=10)
+    H = args.hidden
+    for row in res["rows"]:
+        recv_bf16 = res["recv_bytes_bf16_deepep"]
+        nvl_bf16 = res["recv_from_peers"] * H * 2
+        row["dispatch_bf16_deepep_gbps"] = recv_bf16 / row["dispatch_bf16_cached_ms"] / 1e6
+        row["dispatch_bf16_nvlink_gbps"] = nvl_bf16 / row["dispatch_bf16_cached_ms"] / 1e6
+        row["dispatch_fp8_deepep_gbps"] = recv_bf16 * (1 + 4 / 128) / 2 / row["dispatch_fp8_cached_ms"] / 1e6
+        row["combine_deepep_gbps"] = recv_bf16 / row["combine_ms"] / 1e6
+    res["nccl_all_to_all_gbps_recv"] = res["recv_bytes_bf16_deepep"] / res["nccl_all_to_all_ms"] / 1e6
+    res["copy_engine_gbps"] = res["copy_engine_bytes"] / res["copy_engine_ms"] / 1e6
+    result = {"env": environment(), "shape": vars(args), **res,
+              "notes": "times are the max over ranks of per-rank medians (CUDA events); DeepEP-convention GB/s = "
+                       "bytes of recv_x (bf16; fp8 counts (1+4/128)/2 of them) / time; NVLink GB/s = bytes of rows "
+                       "received from other ranks / time"}
+    path = write_result("ep", result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()

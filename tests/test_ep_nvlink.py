@@ -1,0 +1,158 @@
+"""The SM-push NVLink transport: kernels compile for sm_90 (CPU), and on 2+ GPUs dispatch/combine
+match an independent computation from all ranks' inputs."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from smsplit import ptx
+from smsplit.ep import nvlink
+
+
+def test_dispatch_and_combine_kernels_compile_with_their_ptx():
+    base = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
+            "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
+            "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
+            "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
+            "sig_off": "i64", "timeout_ns": "i64", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
+            "HAS_SCALES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
+            "GROUPS": "constexpr", "KP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "HAS_TOPK": True, "HAS_WEIGHTS": True,
+              "VEC": 1024, "GROUPS": 64, "KP": 16, "TRACE": False}
+    text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16)
+    for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
+        assert ptx.INSTRUCTIONS[name] in text, name
+    quant = dict(base, x_ptr="*bf16")
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1),
+                                   num_warps=16)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
+    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "src_ptr": "*i32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
+           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "n_rows": "i32",
+           "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "timeout_ns": "i64", "VEC": "constexpr",
+           "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "HAS_WEIGHTS": "constexpr",
+           "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2,
+                                                              "HAS_WEIGHTS": True, "TRACE": False}, num_warps=16)
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
+
+
+# --- on GPUs --------------------------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
+    """Rows this rank receives, computed from every rank's inputs: by source rank, then token."""
+    rows_x, rows_k, rows_w, rows_src = [], [], [], []
+    for x, topk, w, in_rank in zip(xs, topks, weights, in_ranks):
+        idx = torch.nonzero(in_rank[:, rank]).flatten()
+        rows_x.append(x[idx])
+        local = topk[idx] - rank * num_local
+        rows_k.append(torch.where((topk[idx] >= 0) & (local >= 0) & (local < num_local), local, -1))
+        rows_w.append(w[idx])
+        rows_src.append(idx.to(torch.int32))
+    return torch.cat(rows_x), torch.cat(rows_k), torch.cat(rows_w), torch.cat(rows_src)
+
+
+def _worker(rank, world, port, cases):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    group = dist.group.WORLD
+    H, E, max_tokens = 2048, 32, 512
+    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
+                                       timeout_s=20)
+    num_local = E // world
+    for case, (T_all, K, quantize, worst) in enumerate(cases):
+        g = torch.Generator(device="cpu").manual_seed(1000 + case)
+        xs = [torch.randn(T_all[r], H, generator=g).to(dev, torch.bfloat16) for r in range(world)]
+        topks = []
+        for r in range(world):
+            t = torch.randint(0, E, (T_all[r], K), generator=g)
+            t[torch.rand(T_all[r], K, generator=g) < 0.2] = -1  # dropped choices
+            if case == 1:
+                t[:] = torch.where(t >= 0, t % num_local, t)  # every token to rank 0
+            topks.append(t.to(dev))
+        ws = [torch.rand(T_all[r], K, generator=g).to(dev) for r in range(world)]
+        in_ranks = []
+        for t in topks:
+            hit = torch.zeros(t.size(0), world, dtype=torch.bool, device=dev)
+            for r in range(world):
+                hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
+            in_ranks.append(hit)
+        # poison the receive area between rounds
+        transport.buffer[transport.offsets["x"]:].fill_(0x7F)
+        rx, rs, rk, rw, rsrc, layout = transport.dispatch(
+            xs[rank], None, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize,
+            num_worst_tokens=worst)
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
+        n = ex.size(0)
+        assert int(layout.num_recv_tokens.item()) == n
+        assert rx.size(0) == (worst if worst else n)
+        if quantize:
+            deq = (rx[:n].float().view(n, H // 128, 128) * rs[:n, :, None]).view(n, H)
+            err = (deq - ex.float()).norm() / ex.float().norm()
+            assert err < 0.05, f"fp8 dispatch error {err}"
+            amax = ex.float().view(n, H // 128, 128).abs().amax(-1)
+            torch.testing.assert_close(rs[:n], amax / 448.0, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(rx[:n], ex)
+        assert torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew) and torch.equal(rsrc[:n], esrc)
+        if worst:
+            assert (rk[n:] == -1).all() and (rw[n:] == 0).all() and (rsrc[n:] == -1).all()
+        # combine: each rank scales what it received by (rank + 1)
+        y = torch.zeros(rx.size(0), H, dtype=torch.bfloat16, device=dev)
+        y[:n] = (ex.float() * (rank + 1)).to(torch.bfloat16)
+        yw = torch.zeros(rx.size(0), K, device=dev)
+        yw[:n] = ew * (rank + 1)
+        out, out_w = transport.combine(y, yw, layout)
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        acc = torch.zeros(T_all[rank], H, device=dev)
+        acc_w = torch.zeros(T_all[rank], K, device=dev)
+        for d in range(world):
+            sel = in_ranks[rank][:, d]
+            acc[sel] += (xs[rank][sel].float() * (d + 1)).to(torch.bfloat16).float()
+            acc_w[sel] += ws[rank][sel] * (d + 1)
+        assert torch.equal(out, acc.to(torch.bfloat16)), f"case {case}: combine differs"
+        torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
+    # a peer that never arrives: rank 1 skips the dispatch, rank 0 must raise, naming rank 1
+    transport.timeout_ns = int(2e9)
+    if rank == 0:
+        x = torch.randn(16, H, device=dev, dtype=torch.bfloat16)
+        in_rank = torch.ones(16, world, dtype=torch.bool, device=dev)
+        try:
+            transport.dispatch(x, None, None, None, in_rank, num_local)
+        except nvlink.EPTimeoutError as e:
+            assert e.peer == 1 and "notify" in e.phase, str(e)
+        else:
+            raise AssertionError("no timeout raised")
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
+    cases = [
+        ((300, 200), 8, False, 0),     # random top-8 with drops
+        ((256, 100), 6, False, 0),     # every token to rank 0
+        ((0, 300), 9, False, 0),       # rank 0 sends nothing
+        ((400, 512), 8, True, 0),      # FP8 fused quantization
+        ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
+        ((333, 222), 4, True, 1024),   # FP8, padded
+        ((512, 512), 9, False, 0),     # reuse after padding, full size
+    ]
+    mp.spawn(_worker, args=(2, _free_port(), cases), nprocs=2, join=True)
