@@ -1,0 +1,175 @@
+"""Invalid arguments raise a ValueError naming the argument on every rank, before any token moves, and the
+buffer stays usable; a peer that never arrives raises EPTimeoutError naming it and the phase, within the timeout."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from smsplit.ep import Buffer, EPArgumentError, EPError, EPTimeoutError, compute_dispatch_layout
+from smsplit.ep.testing import gloo_pool
+
+NUM_EXPERTS, HIDDEN, TOPK = 8, 256, 3
+
+
+def valid_call(rank, world_size, seed=0, num_tokens=4, hidden=HIDDEN):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    topk = torch.rand(num_tokens, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOPK]
+    weights = torch.rand(num_tokens, TOPK, generator=g)
+    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = compute_dispatch_layout(topk, NUM_EXPERTS,
+                                                                                        world_size)
+    return dict(x=x, topk_idx=topk, topk_weights=weights, num_tokens_per_rank=num_tokens_per_rank,
+                num_tokens_per_expert=num_tokens_per_expert, is_token_in_rank=is_token_in_rank)
+
+
+def expect_rejected(argument, call):
+    try:
+        call()
+    except EPArgumentError as error:
+        assert isinstance(error, ValueError)
+        assert error.argument == argument, (argument, str(error))
+        assert str(error).startswith(f"{argument}: "), str(error)
+        return str(error)
+    raise AssertionError(f"expected a ValueError naming {argument!r}")
+
+
+def round_trip(buffer, rank, world_size, seed):
+    args = valid_call(rank, world_size, seed)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(**args)
+    combined, _, _ = buffer.combine(recv_x, handle)
+    copies = args["is_token_in_rank"].sum(dim=1, keepdim=True)
+    assert torch.equal(combined, (args["x"].float() * copies).to(torch.bfloat16))
+    return handle
+
+
+def case_argument_errors(rank, world_size):
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    other = Buffer(dist.group.WORLD, timeout_s=10)
+    last = world_size - 1
+    bad_here = rank == last  # most corruptions happen on one rank only; every rank must still raise
+
+    def dispatch_with(everywhere=False, **changes):
+        args = valid_call(rank, world_size)
+        if bad_here or everywhere:
+            args.update(changes)
+        return lambda: buffer.dispatch(**args)
+
+    scenarios = [
+        ("x", dispatch_with(x=torch.zeros(4, HIDDEN, dtype=torch.int32))),
+        ("x", dispatch_with(x=torch.zeros(4, HIDDEN, 1, dtype=torch.bfloat16))),
+        ("x", dispatch_with(x=torch.zeros(4, HIDDEN, dtype=torch.bfloat16, device="meta"))),
+        ("is_token_in_rank", dispatch_with(x=torch.zeros(5, HIDDEN, dtype=torch.bfloat16))),  # x has 5 rows
+        ("x", dispatch_with(x=torch.zeros(4, 2 * HIDDEN, dtype=torch.bfloat16))),  # hidden differs across ranks
+        ("topk_idx", dispatch_with(topk_idx=torch.full((4, TOPK), NUM_EXPERTS, dtype=torch.int64))),
+        ("topk_idx", dispatch_with(topk_idx=torch.full((4, TOPK), -2, dtype=torch.int64))),
+        ("topk_idx", dispatch_with(topk_idx=torch.zeros(4, TOPK, dtype=torch.int32))),
+        ("topk_weights", dispatch_with(topk_weights=torch.zeros(4, TOPK + 1))),
+        ("topk_weights", dispatch_with(topk_weights=torch.zeros(4, TOPK, dtype=torch.float64))),
+        ("is_token_in_rank", dispatch_with(is_token_in_rank=torch.zeros(4, world_size + 1, dtype=torch.bool))),
+        ("num_tokens_per_rank", dispatch_with(num_tokens_per_rank=torch.full((world_size,), 99, dtype=torch.int32))),
+        ("num_tokens_per_rdma_rank", dispatch_with(num_tokens_per_rdma_rank=torch.zeros(1, dtype=torch.int32))),
+        ("num_tokens_per_expert",  # experts not divisible by ranks, on every rank
+         dispatch_with(num_tokens_per_expert=torch.zeros(2 * world_size + 1, dtype=torch.int32), everywhere=True)),
+        ("num_worst_tokens", dispatch_with(num_worst_tokens=1)),  # rank `last` receives more than 1 token
+        ("num_worst_tokens", dispatch_with(num_worst_tokens=-1)),
+        ("expert_alignment", dispatch_with(expert_alignment=0)),
+        ("dequantize", dispatch_with(dequantize=True)),
+        ("x", dispatch_with(fp8=True, x=torch.zeros(4, 200, dtype=torch.bfloat16))),
+    ]
+    messages = []
+    for round_index, (argument, call) in enumerate(scenarios):
+        messages.append(expect_rejected(argument, call))
+        if round_index % 5 == 4:
+            round_trip(buffer, rank, world_size, round_index)  # the ranks are still in step
+
+    handle = round_trip(buffer, rank, world_size, 99)
+    args = valid_call(rank, world_size, 99)
+    foreign = round_trip(other, rank, world_size, 99)
+    expect_rejected("handle", lambda: buffer.dispatch(args["x"], handle=foreign if bad_here else handle))
+    expect_rejected("topk_idx", lambda: buffer.dispatch(args["x"], handle=handle, topk_idx=args["topk_idx"]))
+    expect_rejected("handle", lambda: buffer.dispatch(args["x"][:3], handle=handle))
+    rows = handle.num_recv_tokens
+    expect_rejected("x", lambda: buffer.combine(torch.zeros(rows + bad_here, HIDDEN, dtype=torch.bfloat16), handle))
+    expect_rejected("bias", lambda: buffer.combine(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), handle,
+                                                   bias=torch.zeros(1, HIDDEN, dtype=torch.bfloat16)))
+    expect_rejected("topk_weights", lambda: buffer.combine(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), handle,
+                                                           topk_weights=torch.zeros(rows + 1, TOPK)))
+    round_trip(buffer, rank, world_size, 5)
+
+    # Local checks of get_dispatch_layout (no communication).
+    expect_rejected("num_experts", lambda: buffer.get_dispatch_layout(args["topk_idx"], 2 * world_size + 1))
+    expect_rejected("topk_idx", lambda: buffer.get_dispatch_layout(args["topk_idx"] + NUM_EXPERTS, NUM_EXPERTS))
+
+    # A buffer too small for the worst case; the hint is exactly enough.
+    hint = Buffer.get_buffer_size_hint(4, HIDDEN, world_size, TOPK)
+    small = Buffer(dist.group.WORLD, num_nvl_bytes=hint - 16)
+    message = expect_rejected("num_nvl_bytes", lambda: small.dispatch(**valid_call(rank, world_size)))
+    exact = Buffer(dist.group.WORLD, num_nvl_bytes=hint)
+    round_trip(exact, rank, world_size, 7)
+    expect_rejected("num_nvl_bytes", lambda: Buffer(dist.group.WORLD, num_nvl_bytes=hint + rank))
+    return messages + [message]
+
+
+def case_peer_never_arrives(rank, world_size, timeout_s):
+    group = dist.new_group(backend="gloo")  # its connections break on timeout; the pool's group stays intact
+    buffer = Buffer(group, timeout_s=timeout_s)
+    absent = world_size - 1
+    if rank == absent:
+        return None
+    args = valid_call(rank, world_size)
+    start = time.monotonic()
+    with pytest.raises(EPTimeoutError) as caught:
+        buffer.dispatch(**args)
+    elapsed = time.monotonic() - start
+    assert caught.value.peer == absent
+    assert f"dispatch: waiting for counts from rank {absent}" in str(caught.value)
+    assert caught.value.phase == f"dispatch: waiting for counts from rank {absent}"
+    with pytest.raises(EPError, match="unusable"):
+        buffer.dispatch(**args)
+    return elapsed
+
+
+def case_ranks_out_of_step(rank, world_size):
+    group = dist.new_group(backend="gloo")
+    buffer = Buffer(group, timeout_s=10)
+    handle = round_trip(buffer, rank, world_size, 3)
+    args = valid_call(rank, world_size, 3)
+    with pytest.raises(EPError) as caught:
+        if rank == 0:
+            buffer.dispatch(**args)
+        else:
+            buffer.combine(torch.zeros(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), handle)
+    assert "rank 1 is in combine" in str(caught.value) or "rank 0 is in dispatch" in str(caught.value)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_invalid_arguments_rejected_on_every_rank(world_size):
+    messages = gloo_pool(world_size).run(case_argument_errors)
+    last = world_size - 1
+    # The rank with the bad argument explains it; the others name the rank.
+    assert "int32" in messages[last][0] and f"rejected on rank {last}" in messages[0][0]
+    assert "[-1, 8)" in messages[last][5]
+    assert "get_buffer_size_hint" in messages[0][-1]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_missing_peer_raises_timeout_naming_rank_and_phase(world_size):
+    elapsed = gloo_pool(world_size).run(case_peer_never_arrives, 1.5)
+    waited = [e for e in elapsed if e is not None]
+    assert len(waited) == world_size - 1
+    assert all(1.4 <= e < 6.0 for e in waited), waited
+
+
+def test_ranks_calling_different_operations_raise():
+    gloo_pool(2).run(case_ranks_out_of_step)
+
+
+def test_local_argument_errors_need_no_group():
+    with pytest.raises(ValueError, match="backend"):
+        Buffer(None, backend="nvlink-someday")
+    with pytest.raises(ValueError, match="timeout_s"):
+        Buffer(None, timeout_s=0)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        Buffer(None, num_nvl_bytes=-1)
