@@ -1,0 +1,9 @@
+"""DeepSeek-style MoE: router, MoE layer on `smsplit.ep`, overlapped forward/backward, a tiny model and its demo."""
+
+from smsplit.moe.layer import MoE, grouped_mm
+from smsplit.moe.model import ModelConfig, Stage, build_stages
+from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward
+from smsplit.moe.router import Router, group_limited_topk
+
+__all__ = ["MoE", "ModelConfig", "PieceRunner", "Router", "Stage", "build_stages", "group_limited_topk",
+           "grouped_mm", "overlapped_forward_backward", "serial_forward_backward"]

@@ -1,0 +1,89 @@
+"""DeepSeek-V3's gate: sigmoid scores, group-limited top-k, auxiliary-loss-free load balancing.
+
+Experts are split into ``n_groups`` equal groups (in DeepSeek-V3 a group is the experts of one node, so
+limiting the groups limits the nodes a token is sent to). A token first picks ``topk_groups`` groups by the
+sum of the two highest scores in each group, then its ``topk`` experts among those groups only.
+
+Load balancing adds a per-expert ``bias`` to the scores *for selection only*: the weights of the selected
+experts are their unbiased scores, normalised to sum to one and multiplied by ``route_scale``. After each
+step ``update_bias`` lowers the bias of overloaded experts and raises it for underloaded ones by
+``bias_update_speed`` (DeepSeek-V3 section 2.1.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, topk: int, n_groups: int,
+                       topk_groups: int) -> torch.Tensor:
+    """Expert ids ``[tokens, topk]`` (int64) chosen by ``scores + bias``, from at most ``topk_groups`` of
+    the ``n_groups`` contiguous expert groups. ``scores``: ``[tokens, n_experts]`` float."""
+    num_tokens, num_experts = scores.shape
+    biased = scores + bias
+    if n_groups > 1:
+        grouped = biased.view(num_tokens, n_groups, num_experts // n_groups)
+        group_scores = grouped.topk(min(2, grouped.size(-1)), dim=-1).values.sum(-1)
+        chosen_groups = group_scores.topk(topk_groups, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
+        biased = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+    return biased.topk(topk, dim=-1).indices
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 gate.
+
+    Args:
+        dim: hidden size of the tokens routed.
+        n_experts: routed experts over all EP ranks.
+        topk: experts per token.
+        n_groups: expert groups (nodes); ``n_experts`` must divide by it.
+        topk_groups: groups a token may use; ``topk_groups * n_experts / n_groups >= topk``.
+        route_scale: factor on the normalised weights.
+        bias_update_speed: the step of the balancing bias (gamma in the paper).
+
+    ``forward(x)`` returns ``(topk_weights [tokens, topk] float32, topk_idx [tokens, topk] int64)`` and,
+    in training mode, adds the number of tokens each expert received to ``self.load``.
+    """
+
+    def __init__(self, dim: int, n_experts: int, topk: int, n_groups: int = 1, topk_groups: int = 1,
+                 route_scale: float = 1.0, bias_update_speed: float = 1e-3):
+        super().__init__()
+        if n_experts % n_groups:
+            raise ValueError(f"n_experts={n_experts} must divide into n_groups={n_groups} equal groups")
+        if not 1 <= topk_groups <= n_groups:
+            raise ValueError(f"topk_groups must lie in [1, n_groups={n_groups}], got {topk_groups}")
+        if topk > topk_groups * (n_experts // n_groups):
+            raise ValueError(f"topk={topk} experts do not fit in topk_groups={topk_groups} groups of "
+                             f"{n_experts // n_groups}")
+        self.dim, self.n_experts, self.topk = dim, n_experts, topk
+        self.n_groups, self.topk_groups = n_groups, topk_groups
+        self.route_scale, self.bias_update_speed = route_scale, bias_update_speed
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        nn.init.normal_(self.weight, std=dim ** -0.5)
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer("load", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        topk_idx = group_limited_topk(scores.detach(), self.bias, self.topk, self.n_groups, self.topk_groups)
+        weights = scores.gather(1, topk_idx)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        if self.training:
+            with torch.no_grad():
+                self.load += torch.bincount(topk_idx.flatten(), minlength=self.n_experts).float()
+        return weights, topk_idx
+
+    @torch.no_grad()
+    def update_bias(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Move the bias against the load counted since the last call (summed over ``group`` when
+        given, so every rank makes the same update) and reset the count. Returns the load used."""
+        load = self.load.clone()
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        self.bias += self.bias_update_speed * torch.sign(load.mean() - load)
+        self.load.zero_()
+        return load
