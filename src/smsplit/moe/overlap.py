@@ -79,6 +79,24 @@ class PieceRunner:
                 self.intervals.append(Interval(kind, name, start, chain.event))
         return result
 
+    @property
+    def on_streams(self) -> bool:
+        return any(s is not None for s in self.streams.values())
+
+    def sync_in(self, chain) -> None:
+        """The next piece of ``chain`` waits for the work queued so far on the current stream."""
+        if self.on_streams:
+            chain.event = torch.cuda.current_stream().record_event()
+
+    def sync_out(self, chain, tensors=()) -> None:
+        """The current stream waits for ``chain``'s pieces; ``tensors`` made there are used here."""
+        if self.on_streams and chain.event is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(chain.event)
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)
+
     def exposed_comm(self) -> dict:
         """Times of the recorded pieces (synchronizes): ``step_s`` from the first start to the last end,
         ``comm_s`` / ``compute_s`` the union of each kind's intervals, ``exposed_comm_s`` the time in
@@ -205,9 +223,12 @@ class Tape:
 
     def backward_all(self, runner: PieceRunner) -> list:
         """Run the remaining pieces backward; returns the gradients of ``inputs`` (None where none)."""
+        runner.sync_in(self)
         while self.pieces:
             self.backward_piece(runner)
-        return self.finish()
+        grads = self.finish()
+        runner.sync_out(self, grads)
+        return grads
 
     def finish(self) -> list:
         self.finished = True
@@ -243,9 +264,11 @@ def run_taped(pieces: list, inputs: tuple, runner: PieceRunner = INLINE) -> torc
     returning one tensor) on a new tape; returns the output, differentiable back to ``inputs``."""
     tape = Tape(inputs=tuple(inputs))
     state = tuple(inputs)
+    runner.sync_in(tape)
     for kind, name, fn in pieces:
         state = tape.forward_piece(runner, kind, name, fn, state)
     (output,) = state
+    runner.sync_out(tape, [output])
     tape.output = output
     if not output.requires_grad:
         return output
@@ -275,10 +298,11 @@ def tape_of(tensor: torch.Tensor) -> Tape:
 
 def _deliver(tape: Tape, runner: PieceRunner) -> None:
     """Hand the gradients of a tape's inputs to autograd (leaf inputs get ``.grad``; others continue)."""
-    pairs = [(x, g) for x, g in zip(tape.inputs, tape.finish()) if g is not None and x.requires_grad]
+    grads = tape.finish()
+    runner.sync_out(tape, grads)
+    pairs = [(x, g) for x, g in zip(tape.inputs, grads) if g is not None and x.requires_grad]
     if pairs:
-        runner.run(COMPUTE, "input grads", tape, lambda: torch.autograd.backward([x for x, _ in pairs],
-                                                                                  [g for _, g in pairs]))
+        torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
 
 
 def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tape | None) -> tuple[Tape, tuple]:
@@ -286,6 +310,9 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
     backward (its seed gradients already added). Returns the new tape and its final state."""
     f_tape = Tape(inputs=tuple(f_inputs))
     state = tuple(f_inputs)
+    runner.sync_in(f_tape)
+    if b_tape is not None:
+        runner.sync_in(b_tape)
     queue = list(f_pieces)
     own_store = not WeightGradStore.enabled  # else the caller defers W to its own "W" op
     pending_w: list[Callable] = []
@@ -334,6 +361,7 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
                 run_backward()
     if b_tape is not None:
         run_pending_w()
+    runner.sync_out(f_tape, state)
     return f_tape, state
 
 

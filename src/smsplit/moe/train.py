@@ -1,0 +1,325 @@
+"""Train the tiny DeepSeek-style model with expert parallelism and DualPipeV: the `smsplit demo` workload.
+
+``world = ep * pp`` processes. Ranks with the same pipeline rank form an EP group (they hold different experts
+and see different data); ranks with the same EP rank form a DualPipeV pipeline. On a CPU-only machine
+`run_demo` spawns 2 gloo processes (EP 2, one pipeline rank holding both legs of the V) and uses the
+reference EP transport; with 2+ GPUs it runs one process per GPU over NCCL with an `SmBudget` splitting each
+GPU's SMs between the comm and compute streams.
+
+Rank 0 shows a progress bar (loss, tokens/s, exposed communication) and writes the report folder:
+``loss_curve.png``, ``pipeline_timeline.png`` (the DualPipeV schedule timed with the measured op durations),
+``overlap_timeline.png`` (the pieces of one measured F&B step on the comm and compute streams), on GPU
+``sm_trace.png`` (where those pieces ran, SM by SM), and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from smsplit.moe.model import ModelConfig, build_stages
+from smsplit.moe.overlap import COMM, PieceRunner
+
+
+def synthetic_batch(cfg: ModelConfig, batch: int, seed: int, step: int, slot: int) -> torch.Tensor:
+    """``[batch, seq_len + 1]`` token ids from a fixed random Markov chain (each token has 4 likely
+    successors), so the loss has somewhere to fall to: about 1.1 nats from ln(vocab) at the start.
+    The chain depends on ``seed`` only; the samples on (seed, step, slot)."""
+    chain = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, cfg.vocab_size, (cfg.vocab_size, 4), generator=chain)
+    probs = torch.softmax(torch.randn(cfg.vocab_size, 4, generator=chain) * 1.5, dim=-1)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + slot + 1)
+    tokens = torch.empty(batch, cfg.seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=g)
+    for t in range(cfg.seq_len):
+        choice = torch.multinomial(probs[tokens[:, t]], 1, generator=g).squeeze(1)
+        tokens[:, t + 1] = successors[tokens[:, t], choice]
+    return tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _budget(comm_sms: int, device):
+    from smsplit.budget import SmBudget, SmBudgetError
+
+    try:
+        return SmBudget(comm_sms, device=device, mode="green")
+    except (SmBudgetError, ValueError):
+        return SmBudget(comm_sms, device=device, mode="grid")
+
+
+def _worker(rank: int, world: int, port: int, opts: dict) -> None:
+    from smsplit.ep import Buffer
+    from smsplit.pipeline import DualPipeV
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    on_gpu = opts["device"] == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = datetime.timedelta(seconds=opts["timeout_s"])
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        _train(rank, world, opts, Buffer, DualPipeV)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
+    cfg = ModelConfig(**opts["model"])
+    pp, ep = opts["pp"], world // opts["pp"]
+    pp_rank, ep_rank = divmod(rank, ep)
+    ep_groups = [dist.new_group(list(range(p * ep, (p + 1) * ep))) for p in range(pp)]
+    pp_groups = [dist.new_group(list(range(e, world, ep))) for e in range(ep)]
+    ep_group, pp_group = ep_groups[pp_rank], pp_groups[ep_rank]
+    device = torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
+
+    budget = _budget(opts["comm_sms"], device) if device.type == "cuda" else None
+    runner = PieceRunner(budget.comm_stream if budget else None, budget.compute_stream if budget else None,
+                         record=True)
+    m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=opts["seed"])
+    m0.to(device), m1.to(device)
+    buffer = Buffer(ep_group, budget=budget, timeout_s=opts["timeout_s"]) if ep > 1 else None
+    for stage in (m0, m1):
+        stage.runner = runner
+        for block in stage.blocks:
+            block.moe.buffer = buffer
+    pipe = DualPipeV((m0, m1), process_group=pp_group)
+    params = list({id(p): p for m in (m0, m1) for p in m.parameters()}.values())
+    expert_params = {id(p) for m in (m0, m1) for b in m.blocks for p in b.moe.experts.parameters()}
+    replicated = [p for p in params if id(p) not in expert_params]
+    optimizer = torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    routers = [b.moe.router for m in (m0, m1) for b in m.blocks]
+
+    chunks, batch = opts["chunks"], opts["batch"]
+    scale = 1.0 / (chunks * ep)  # the step's loss is the mean over every token of every EP rank
+
+    def criterion(logits, labels):
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten()) * scale
+
+    op_times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "FB": []}
+    timing = {}
+    trace_state = {"want": False, "trace": None, "intervals": None}
+
+    def op_hook(op, when):
+        if when == "start":
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timing["t0"] = time.perf_counter()
+            if op.kind == "FB" and trace_state["want"]:
+                runner.intervals.clear()
+                if budget is not None:
+                    from smsplit.trace import Trace
+
+                    trace_state["trace"] = runner.trace = Trace(device)
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        kind = "B" if op.kind == "B" and not op.split else op.kind
+        if op.kind == "B" and op.split:
+            kind = "Bi"
+        op_times.setdefault(kind, []).append(time.perf_counter() - timing["t0"])
+        if op.kind == "FB" and trace_state["want"]:
+            trace_state["want"] = False
+            runner.trace = None
+            trace_state["intervals"] = runner.exposed_comm() | {"pieces": _piece_rows(runner)}
+
+    pipe.op_hook = op_hook
+    is_reporter = rank == 0
+    losses, rates, exposed = [], [], []
+    progress = _progress(opts["steps"]) if is_reporter and opts["progress"] else None
+    tokens_per_step = batch * cfg.seq_len * ep
+    start_all = time.perf_counter()
+    for step in range(opts["steps"]):
+        tokens = synthetic_batch(cfg, batch, opts["seed"], step, ep_rank).to(device)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        optimizer.zero_grad(set_to_none=True)
+        runner.intervals.clear()
+        trace_state["want"] = step == opts["steps"] - 1
+        t0 = time.perf_counter()
+        loss, _ = pipe.step(inputs, num_chunks=chunks, criterion=criterion, labels=(labels,))
+        step_loss = loss.sum().detach() if loss is not None else torch.zeros((), device=device)
+        if ep > 1:
+            _all_reduce_grads(replicated, ep_group)
+            dist.all_reduce(step_loss, group=ep_group)
+        optimizer.step()
+        for router in routers:
+            router.update_bias(ep_group if ep > 1 else None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        shares = runner.exposed_comm()
+        losses.append(float(step_loss))
+        rates.append(tokens_per_step / elapsed)
+        exposed.append(shares["exposed_fraction"])
+        if progress is not None:
+            progress[0].update(progress[1], advance=1, loss=losses[-1], tps=rates[-1], exposed=100 * exposed[-1])
+    wall = time.perf_counter() - start_all
+    if progress is not None:
+        progress[0].stop()
+
+    if is_reporter:
+        _report(Path(opts["out_dir"]), opts, cfg, losses, rates, exposed, op_times, trace_state, budget, pp,
+                chunks, wall, ep)
+    if budget is not None:
+        budget.close()
+
+
+def _all_reduce_grads(params, group) -> None:
+    """Sum the gradients of the parameters every EP rank holds a copy of (one flat all-reduce)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def _piece_rows(runner: PieceRunner) -> list:
+    """(kind, name, start_s, end_s) of the recorded pieces, relative to the first."""
+    ivs = runner.intervals
+    if not ivs:
+        return []
+    first = ivs[0].start
+    if isinstance(first, torch.cuda.Event):
+        torch.cuda.synchronize()
+        return [(iv.kind, iv.name, first.elapsed_time(iv.start) / 1e3, first.elapsed_time(iv.end) / 1e3)
+                for iv in ivs]
+    return [(iv.kind, iv.name, iv.start - first, iv.end - first) for iv in ivs]
+
+
+def _progress(steps: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("[bold]MoE demo"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                        TextColumn("exposed comm {task.fields[exposed]:.1f}%"), TimeElapsedColumn())
+    progress.start()
+    task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0, exposed=0.0)
+    return progress, task
+
+
+def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state, budget, pp, chunks, wall, ep):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from smsplit.pipeline import simulate
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(f"tiny DeepSeek-style MoE, EP {ep} x DualPipeV {pp} ({opts['device']})")
+    fig.tight_layout()
+    fig.savefig(out / "loss_curve.png", dpi=110)
+    plt.close(fig)
+
+    skip = min(2, max(0, len(losses) - 1))  # the first steps include warm-up
+    mean = {k: sum(v[skip:]) / len(v[skip:]) if v[skip:] else (sum(v) / len(v) if v else 0.0)
+            for k, v in op_times.items()}
+    f, fb = mean.get("F", 0.0), mean.get("FB", 0.0)
+    b = mean.get("B", 0.0) or (mean.get("Bi", 0.0) + mean.get("W", 0.0))
+    w = mean.get("W", 0.0)
+    sim = simulate("dualpipev", pp, chunks, F=f, B=max(b, w), W=w, FB=fb or None)
+    sim.save_png(str(out / "pipeline_timeline.png"),
+                 title=f"DualPipeV, {pp} pipeline rank(s), {chunks} chunks, measured op times "
+                       f"(F {1e3 * f:.1f} ms, B {1e3 * b:.1f} ms, W {1e3 * w:.1f} ms, F&B {1e3 * fb:.1f} ms)")
+
+    pieces = (trace_state.get("intervals") or {}).get("pieces", [])
+    if pieces:
+        _draw_pieces(pieces, out / "overlap_timeline.png",
+                     f"one F&B step, {opts['device']}: exposed communication "
+                     f"{100 * trace_state['intervals']['exposed_fraction']:.1f}% of the step")
+    if trace_state.get("trace") is not None:
+        trace_state["trace"].save_png(out / "sm_trace.png", title=f"one overlapped F&B step, {budget!r}",
+                                      num_sms=budget.total_sms)
+        trace_state["trace"].save_chrome(out / "sm_trace.json")
+    tail = max(1, len(rates) // 2)
+    summary = dict(
+        device=opts["device"], world=opts["world_size"], ep=ep, pp=pp, chunks=chunks, steps=len(losses),
+        seed=opts["seed"], model=asdict(cfg), budget=repr(budget) if budget is not None else None,
+        first_losses=losses[:10], final_loss=losses[-1] if losses else None,
+        loss_fell=bool(losses and min(losses[-5:]) < losses[0]),
+        tokens_per_s=sum(rates[-tail:]) / tail if rates else 0.0,
+        exposed_comm_fraction=sum(exposed[-tail:]) / tail if exposed else 0.0,
+        overlapped_step=trace_state.get("intervals") and {k: v for k, v in trace_state["intervals"].items()
+                                                          if k != "pieces"},
+        op_seconds=mean, train_wall_s=wall, losses=losses)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _draw_pieces(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colour = {"comm": "#e4572e", "compute": "#2e86ab"}
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    for kind, name, s, e in rows:
+        y = 1 if kind == COMM else 0
+        ax.barh(y, (e - s) * 1e3, left=s * 1e3, color=colour[kind], edgecolor="black", linewidth=0.4)
+        if e - s > 0.03 * max(r[3] for r in rows):
+            ax.text((s + e) / 2 * 1e3, y, name.replace(" (backward)", "ᴮ"), ha="center", va="center", fontsize=6)
+    ax.set_yticks([0, 1])
+    ax.set_yticklabels(["compute", "comm"])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 300, *, device: str = "auto", world_size: int = 2,
+             pp: int = 1, chunks: int = 4, batch: int = 16, seed: int = 0, lr: float = 3e-3, comm_sms: int = 20,
+             model: dict | None = None, progress: bool = True, timeout_s: float = 120.0) -> dict:
+    """Train the tiny MoE model for ``steps`` steps and write the report to ``out_dir``; returns the summary.
+
+    Args:
+        device: "cpu" (``world_size`` gloo processes, reference EP transport), "cuda" (one process per GPU,
+            NCCL, SM budget of ``comm_sms``) or "auto" (cuda when ``world_size`` GPUs are present).
+        world_size: processes; ``world_size / pp`` of them form each EP group.
+        pp: DualPipeV pipeline ranks (1: each process runs both legs of the V itself).
+        chunks: micro-batches per step (>= 2 * pp); batch: sequences per EP rank per step (divisible by chunks).
+        model: overrides of `ModelConfig` fields.
+        timeout_s: bound on every wait for a peer (process-group init, EP, pipeline).
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+    if world_size % pp:
+        raise ValueError(f"world_size={world_size} must be a multiple of pp={pp}")
+    if batch % chunks:
+        raise ValueError(f"batch={batch} must divide into chunks={chunks} micro-batches")
+    opts = dict(out_dir=str(out_dir), steps=steps, device=device, world_size=world_size, pp=pp, chunks=chunks,
+                batch=batch, seed=seed, lr=lr, comm_sms=comm_sms, model=model or {}, progress=progress,
+                timeout_s=timeout_s)
+    ModelConfig(**opts["model"])  # reject bad overrides before spawning
+    if device == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    summary_path = Path(out_dir) / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    mp.spawn(_worker, args=(world_size, _free_port(), opts), nprocs=world_size, join=True)
+    return json.loads(summary_path.read_text())
