@@ -168,7 +168,7 @@ class _Pipeline(nn.Module):
             for c, chunk in enumerate(zip(*split)):
                 self._inputs[(first_module[0], c)] = [self._as_input(t) for t in chunk]
         WeightGradStore.clear()
-
+        self._pending_sends = ([], [])
         try:
             for item in self._plan(num_chunks, forward_only):
                 if isinstance(item, Batch):
@@ -179,6 +179,7 @@ class _Pipeline(nn.Module):
                     self._run(item)
                     if self.op_hook is not None:
                         self.op_hook(item, "end")
+            self._finish_sends()
             if WeightGradStore.queue or WeightGradStore.cache:
                 raise RuntimeError(f"{name}: deferred weight gradients left after the step")
         finally:
@@ -338,6 +339,7 @@ class _Pipeline(nn.Module):
         name = type(self).__name__
         device = self.device
         sent: list[tuple[int, int]] = []
+        sends = []
         for sub in header_first(batch, self._known_streams):
             ops, headers = [], []
             for direction, msg, is_header in sub:
@@ -377,16 +379,30 @@ class _Pipeline(nn.Module):
                         self._out_grads[(msg.dst_module, msg.chunk)] = bufs
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
             if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                works = dist.batch_isend_irecv(ops)
+                for op, work in zip(ops, works):
+                    if op.op is dist.irecv:
+                        work.wait()
+                    else:
+                        sends.append((work, op.tensor))  # the tensor must live until sent
             for (src, src_module), buf in headers:
                 self._stream_meta[("in", src, src_module)] = _decode_header(buf)
         for msg in batch.recvs:
             if msg.kind == "act" and not self._forward_only:
                 for t in self._inputs[(msg.dst_module, msg.chunk)]:
                     t.requires_grad_(t.is_floating_point())
+        self._finish_sends()
+        self._pending_sends = (sends, sent)
+
+    def _finish_sends(self) -> None:
+        """Wait for the previous batch's sends (the CPU does not block on sends when it posts
+        them), then free the outputs they carried."""
+        works, sent = self._pending_sends
+        for work, _ in works:
+            work.wait()
         for key in sent:
             self._release_output(key)
+        self._pending_sends = ([], [])
 
     def _release_output(self, key: tuple[int, int]) -> None:
         """Free the storage of sent outputs; their autograd graph stays for the backward."""

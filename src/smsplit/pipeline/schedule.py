@@ -381,12 +381,12 @@ class Simulation:
             for t in row:
                 op, width = t.op, t.end - t.start
                 if op.kind == "FB":
-                    ax.add_patch(Rectangle((t.start, y + 0.5), width, 0.4, color=colour["F"][t.lane % 2], lw=0))
-                    ax.add_patch(Rectangle((t.start, y + 0.1), width, 0.4, color=colour["B"][t.b_lane % 2], lw=0))
+                    ax.add_patch(Rectangle((t.start, y + 0.5), width, 0.4, color=colour["F"][op.module % 2], lw=0))
+                    ax.add_patch(Rectangle((t.start, y + 0.1), width, 0.4, color=colour["B"][op.b_module % 2], lw=0))
                     label = f"{op.chunk}&{op.b_chunk}"
                 else:
                     key = "Bi" if op.kind == "B" and op.split else op.kind
-                    ax.add_patch(Rectangle((t.start, y + 0.1), width, 0.8, color=colour[key][t.lane % 2], lw=0))
+                    ax.add_patch(Rectangle((t.start, y + 0.1), width, 0.8, color=colour[key][op.module % 2], lw=0))
                     label = str(op.chunk)
                 ax.add_patch(Rectangle((t.start, y + 0.1), width, 0.8, fill=False, lw=0.5, ec="black"))
                 ax.text(t.start + width / 2, y + 0.5, label, ha="center", va="center", fontsize=6)
@@ -400,8 +400,8 @@ class Simulation:
         ax.legend(handles=[Patch(color=colour["F"][0], label="F"), Patch(color=colour["B"][0], label="B"),
                            Patch(color=colour["Bi"][0], label="B (input only)"),
                            Patch(color=colour["W"][0], label="W"),
-                           Patch(color="white", ec="black", label="F&B: F top, B bottom; darker: 2nd lane")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=7, frameon=False)
+                           Patch(color="white", ec="black", label="F&B: F top, B bottom; darker: module 1")],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=7, frameon=False)
         fig.tight_layout()
         fig.savefig(path, dpi=150)
         plt.close(fig)
