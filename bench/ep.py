@@ -121,6 +121,23 @@ def worker(rank, world, port, args, queue):
     ce_ms = timed(lambda: dst.copy_(src))
     res["copy_engine_ms"] = _max_over_ranks(ce_ms, dev)
     res["copy_engine_bytes"] = n_cross * H * 2
+
+    # SM copies over NVLink, every rank at once: persistent programs writing to / reading from the peer
+    from smsplit.copy import sm_copy
+
+    peer_src = transport.handle.get_buffer(peer, (n_cross, H), torch.bfloat16,
+                                           storage_offset=transport.offsets["x"] // 2)
+    local = torch.empty(n_cross, H, dtype=torch.bfloat16, device=dev)
+    link = []
+    for P in args.comm_sms:
+        w = _max_over_ranks(timed(lambda: sm_copy(dst, src, P, block=4096, num_warps=16)), dev)
+        r = _max_over_ranks(timed(lambda: sm_copy(local, peer_src, P, block=4096, num_warps=16)), dev)
+        link.append({"programs": P, "write_ms": w, "read_ms": r,
+                     "write_gbps": n_cross * H * 2 / w / 1e6, "read_gbps": n_cross * H * 2 / r / 1e6})
+        if rank == 0:
+            print(f"SM copy over NVLink, {P:2d} programs: write {link[-1]['write_gbps']:6.1f} GB/s, "
+                  f"read {link[-1]['read_gbps']:6.1f} GB/s", flush=True)
+    res["sm_copy_over_nvlink"] = link
     if rank == 0:
         print(f"NCCL all_to_all_single {res['nccl_all_to_all_ms'] * 1e3:.1f} us; copy engine "
               f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB", flush=True)
@@ -143,9 +160,9 @@ def worker(rank, world, port, args, queue):
             with torch.cuda.stream(budget.comm_stream):
                 comm_alone = timed(comm)
             gemm_alone = time_ms(lambda: torch.matmul(a, b), stream=budget.compute_stream, repeat=10)["median_ms"]
+            n_comm = int(_max_over_ranks(max(4, int(1.4 * 20 * gemm_alone / comm_alone)), dev))  # same on all ranks
             dist.barrier(device_ids=[rank])
-            g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20,
-                                           max(4, int(1.4 * 20 * gemm_alone / comm_alone)))
+            g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20, n_comm)
             transport.raise_if_failed()
             entry = {"asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
                      "gemm_full_gpu_ms": gemm_full, "gemm_alone_on_budget_ms": gemm_alone,

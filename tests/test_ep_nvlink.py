@@ -20,9 +20,10 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
             "sig_off": "i64", "timeout_ns": "i64", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
-            "GROUPS": "constexpr", "KP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
+            "trace_ptr": "*i64", "trace_tag": "i32"}
     consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "HAS_TOPK": True, "HAS_WEIGHTS": True,
-              "VEC": 1024, "GROUPS": 64, "KP": 16, "TRACE": False}
+              "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4, "TRACE": False}
     text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
@@ -34,9 +35,9 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
            "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
            "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "n_rows": "i32",
            "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "timeout_ns": "i64", "VEC": "constexpr",
-           "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "HAS_WEIGHTS": "constexpr",
+           "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "HAS_WEIGHTS": "constexpr",
            "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2,
+    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2,
                                                               "HAS_WEIGHTS": True, "TRACE": False}, num_warps=16)
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
 

@@ -129,92 +129,117 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
 # --- dispatch ----------------------------------------------------------------------------------------
 
 @triton.jit
+def _column(block, cols, d):
+    """Column ``d`` of a ``[rows, RP]`` block (``cols`` = arange(RP)) as a ``[rows]`` block."""
+    return tl.sum(tl.where(cols[None, :] == d, block, 0), axis=1)
+
+
+@triton.jit
+def _pick(values, cols, d):
+    """Element ``d`` of a ``[RP]`` block."""
+    return tl.sum(tl.where(cols == d, values, 0), axis=0)
+
+
+@triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
                     off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                    VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, TRACE: tl.constexpr,
-                    trace_ptr, trace_tag):
-    """x rows go to receive row ``send_start[d] + pos[t, d]`` of every destination d with pos >= 0.
-    X_BYTES: bytes per element of the received x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantize."""
+                    VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                    TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+    """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
+    pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
+    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    vec = tl.arange(0, VEC)
+    cols = tl.arange(0, RP)
+    dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
+    dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
+    vec = tl.arange(0, VEC)[None, :]
     row_bytes = H * X_BYTES
     n_vec = row_bytes // 16
     vmask = vec < n_vec
     n_groups = H // 128
-    g = tl.arange(0, GROUPS)[:, None]
-    c = tl.arange(0, 128)[None, :]
-    gmask = g < n_groups
-    k = tl.arange(0, KP)
+    grp = tl.arange(0, GROUPS)[None, :]
+    gmask = grp < n_groups
+    k = tl.arange(0, KP)[None, :]
     kmask = k < K
-    for t in range(pid, T, programs):
-        t64 = t.to(tl.int64)
+    for t0 in range(pid * TB, T, programs * TB):
+        t = t0 + tl.arange(0, TB)
+        tmask = t < T
+        t64 = t.to(tl.int64)[:, None]
         if QUANTIZE:
-            xf = tl.load(x_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + t64 * H + g * 128 + c,
-                         mask=gmask, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(xf), axis=1)
-            scale = tl.where(amax > 0, amax / 448.0, 1.0)
-            q = (xf / scale[:, None]).to(tl.float8e4nv)
+            g3 = tl.arange(0, GROUPS)[None, :, None]
+            c3 = tl.arange(0, 128)[None, None, :]
+            m3 = tmask[:, None, None] & (g3 < n_groups)
+            xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(xf), axis=2)
+            scale = tl.where(amax > 0, amax / 448.0, 1.0)  # [TB, GROUPS]
+            q = (xf / scale[:, :, None]).to(tl.float8e4nv)
         else:
-            w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, vmask)
+            w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
             if HAS_SCALES:
-                scale = tl.load(scales_ptr + t64 * n_groups + tl.arange(0, GROUPS), mask=tl.arange(0, GROUPS) < n_groups)
+                scale = tl.load(scales_ptr + t64 * n_groups + grp, mask=tmask[:, None] & gmask)
         if HAS_TOPK:
-            topk = tl.load(topk_ptr + t64 * K + k, mask=kmask, other=-1)
+            topk = tl.load(topk_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=-1)
         if HAS_WEIGHTS:
-            weights = tl.load(weights_ptr + t64 * K + k, mask=kmask, other=0.0)
+            weights = tl.load(weights_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=0.0)
+        pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
         for d in range(R):
-            p = tl.load(pos_ptr + t64 * R + d)
-            if p >= 0:
-                row = (tl.load(layout_ptr + d) + p).to(tl.int64)
-                base = tl.load(bases_ptr + d)
-                if QUANTIZE:
-                    dst_q = (base + off_x + row * H).to(tl.pointer_type(tl.float8e4nv))
-                    tl.store(dst_q + g * 128 + c, q, mask=gmask)
+            p = _column(pos, cols, d)
+            ok = (p >= 0)[:, None]
+            row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
+            base = _pick(dest_base, cols, d)
+            if QUANTIZE:
+                dst_q = (base + off_x + row[:, :, None] * H).to(tl.pointer_type(tl.float8e4nv))
+                tl.store(dst_q + g3 * 128 + c3, q, mask=ok[:, :, None] & (g3 < n_groups))
+                dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                tl.store(dst_s + grp, scale, mask=ok & gmask)
+            else:
+                dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
+                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)
+                if HAS_SCALES:
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                    tl.store(dst_s + tl.arange(0, GROUPS), scale,
-                             mask=tl.arange(0, GROUPS) < n_groups)
-                else:
-                    dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-                    ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, vmask)
-                    if HAS_SCALES:
-                        dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                        tl.store(dst_s + tl.arange(0, GROUPS), scale, mask=tl.arange(0, GROUPS) < n_groups)
-                if HAS_TOPK:
-                    local = topk - d * num_local_experts
-                    local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
-                    dst_k = (base + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
-                    tl.store(dst_k + k, local, mask=kmask)
-                if HAS_WEIGHTS:
-                    dst_w = (base + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
-                    tl.store(dst_w + k, weights, mask=kmask)
-                dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
-                tl.store(dst_i, t)
+                    tl.store(dst_s + grp, scale, mask=ok & gmask)
+            if HAS_TOPK:
+                local = topk - d * num_local_experts
+                local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
+                dst_k = (base + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
+                tl.store(dst_k + k, local, mask=ok & kmask)
+            if HAS_WEIGHTS:
+                dst_w = (base + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
+                tl.store(dst_w + k, weights, mask=ok & kmask)
+            dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
+            tl.store(dst_i, t[:, None], mask=ok)
     _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
     _wait_for_sources((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
                       timeout_ns, status_ptr, 2)
-    if num_worst > 0:  # padding rows: zeros, top-k -1
+    if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
         total = tl.load(layout_ptr + 2 * R)
-        for row32 in range(total + pid, num_worst, programs):
-            row = row32.to(tl.int64)
+        for r0 in range(total + pid * TB, num_worst, programs * TB):
+            r = r0 + tl.arange(0, TB)
+            ok = (r < num_worst)[:, None]
+            row = r.to(tl.int64)[:, None]
+            zero = tl.zeros((TB, VEC), dtype=tl.int32)
             dst = (own + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-            ptx.st_global_na_v4(dst + 4 * vec, vec * 0, vec * 0, vec * 0, vec * 0, vmask)
+            ptx.st_global_na_v4(dst + 4 * vec, zero, zero, zero, zero, ok & vmask)
             if QUANTIZE or HAS_SCALES:
                 dst_s = (own + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                tl.store(dst_s + tl.arange(0, GROUPS), 0.0, mask=tl.arange(0, GROUPS) < n_groups)
+                tl.store(dst_s + grp, tl.zeros((TB, GROUPS), dtype=tl.float32), mask=ok & gmask)
             if HAS_TOPK:
-                tl.store((own + off_topk + row * K * 8).to(tl.pointer_type(tl.int64)) + k, -1, mask=kmask)
+                dst_k = (own + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
+                tl.store(dst_k + k, tl.full((TB, KP), -1, dtype=tl.int64), mask=ok & kmask)
             if HAS_WEIGHTS:
-                tl.store((own + off_weights + row * K * 4).to(tl.pointer_type(tl.float32)) + k, 0.0, mask=kmask)
-            tl.store((own + off_src + row * 4).to(tl.pointer_type(tl.int32)), -1)
+                dst_w = (own + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
+                tl.store(dst_w + k, tl.zeros((TB, KP), dtype=tl.float32), mask=ok & kmask)
+            dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
+            tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
     _finish(state_ptr, 1, expected, programs, programs)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
@@ -227,7 +252,7 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
                    out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, n_rows,
                    off_cx, off_cw, sig_off, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                   HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                   TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Push received row r back to slot [rank][src[r]] of its source's combine area, then sum
     the slots [d][t] of this rank's tokens over the ranks d they went to (fp32) into out (bf16)."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
@@ -236,47 +261,52 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     expected = tl.load(state_ptr + 2, volatile=True)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    vec = tl.arange(0, VEC)
+    vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
     vmask = vec < n_vec
-    k = tl.arange(0, KP)
+    k = tl.arange(0, KP)[None, :]
     kmask = k < K
+    cols = tl.arange(0, RP)
     total = tl.load(layout_ptr + 2 * R)
-    sources = tl.arange(0, RP)
-    starts = tl.load(layout_ptr + R + sources, mask=sources < R, other=2**30)
-    for r in range(pid, total, programs):
-        r64 = r.to(tl.int64)
-        source = tl.sum((starts <= r).to(tl.int32), axis=0) - 1
-        j = tl.load(src_ptr + r64).to(tl.int64)
-        base = tl.load(bases_ptr + source)
-        w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, vmask)
+    starts = tl.load(layout_ptr + R + cols, mask=cols < R, other=2**30)
+    for r0 in range(pid * TB, total, programs * TB):
+        r = r0 + tl.arange(0, TB)
+        rmask = (r < total)[:, None]
+        r64 = r.to(tl.int64)[:, None]
+        source = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1) - 1
+        j = tl.load(src_ptr + r64, mask=rmask, other=0).to(tl.int64)
+        base = tl.load(bases_ptr + source, mask=r < total, other=0)[:, None]
+        w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, rmask & vmask)
         slot = rank * max_tokens + j
         dst = (base + off_cx + slot * H * 2).to(tl.pointer_type(tl.int32))
-        ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, vmask)
+        ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, rmask & vmask)
         if HAS_WEIGHTS:
-            w = tl.load(yw_ptr + r64 * K + k, mask=kmask)
-            tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=kmask)
+            w = tl.load(yw_ptr + r64 * K + k, mask=rmask & kmask)
+            tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=rmask & kmask)
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
     _wait_for_sources((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
                       timeout_ns, status_ptr, 3)
-    h = tl.arange(0, HB)
+    h = tl.arange(0, HB)[None, :]
     hmask = h < H
-    for t in range(pid, T, programs):
-        t64 = t.to(tl.int64)
-        acc = tl.zeros((HB,), dtype=tl.float32)
-        acc_w = tl.zeros((KP,), dtype=tl.float32)
+    for t0 in range(pid * TB, T, programs * TB):
+        t = t0 + tl.arange(0, TB)
+        tmask = t < T
+        t64 = t.to(tl.int64)[:, None]
+        pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+        acc = tl.zeros((TB, HB), dtype=tl.float32)
+        acc_w = tl.zeros((TB, KP), dtype=tl.float32)
         for d in range(R):
-            if tl.load(pos_ptr + t64 * R + d) >= 0:
-                slot = d * max_tokens + t64
-                src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
-                acc += tl.load(src + h, mask=hmask, other=0.0, volatile=True).to(tl.float32)
-                if HAS_WEIGHTS:
-                    src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
-                    acc_w += tl.load(src_w + k, mask=kmask, other=0.0, volatile=True)
-        tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=hmask)
+            ok = (_column(pos, cols, d) >= 0)[:, None]
+            slot = d * max_tokens + t64
+            src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
+            acc += tl.load(src + h, mask=ok & hmask, other=0.0, volatile=True).to(tl.float32)
+            if HAS_WEIGHTS:
+                src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
+                acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, volatile=True)
+        tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
         if HAS_WEIGHTS:
-            tl.store(out_w_ptr + t64 * K + k, acc_w, mask=kmask)
+            tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
     _finish(state_ptr, 2, expected, programs, programs)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
@@ -344,6 +374,7 @@ class NvlinkTransport:
             raise ValueError(f"the NVLink transport handles up to 16 ranks, the group has {self.num_ranks}")
         self.device = torch.device(device)
         self.num_sms = num_sms
+        self.tokens_per_step = 4
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -463,8 +494,8 @@ class NvlinkTransport:
             self.offsets["src"], self.offsets["signals"], self.timeout_ns,
             X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
-            KP=_pow2(max(K, 1)), TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
-            num_warps=8 if H * x_bytes <= 8192 else 16,
+            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
+            trace_ptr=trace_view, trace_tag=tag, num_warps=16,
         )
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
@@ -496,7 +527,7 @@ class NvlinkTransport:
             y_weights if y_weights is not None else out, recv_src, layout.layout, layout.pos, self.bases,
             self.state, self._status_addr(), out, out_w if out_w is not None else out, T, H, K, R, self.rank,
             self.max_tokens, layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
-            self.timeout_ns, VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R),
+            self.timeout_ns, VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2,
             HAS_WEIGHTS=y_weights is not None, TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
             num_warps=16,
         )
