@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from smsplit import fp8 as fp8_lib
 from smsplit.ep import Buffer
-from smsplit.ep.testing import gloo_pool
+from smsplit.ep.testing import gloo_pool, process_pool
 
 
 # -- inputs and oracle -----------------------------------------------------------------------------------------
@@ -88,19 +88,22 @@ def layout_args(buffer, topk, num_experts):
 
 
 def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alignment=1, num_worst_tokens=0):
-    """One dispatch + combine on `buffer`, checked against the oracle. Returns the handle."""
+    """One dispatch + combine on `buffer` (inputs moved to `buffer.device`), checked against the oracle on the
+    CPU. Returns the handle."""
+    device = buffer.device
     x, topk, w = inputs[rank]
     ref_x, ref_idx, ref_w, ref_per_expert, ref_src = expected_dispatch(inputs, rank, world_size, num_experts)
     n_recv = ref_x.size(0)
+    x_in = x.to(device)
     if mode == "fp8_input":
-        x_in = fp8_lib.quantize_1x128(x)
-    else:
-        x_in = x
+        x_in = fp8_lib.quantize_1x128(x_in)
     recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
-        x_in, topk_idx=topk, topk_weights=w, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-        fp8=(mode in ("fp8", "fp8_dequantize")), dequantize=(mode == "fp8_dequantize"),
-        **layout_args(buffer, topk, num_experts))
+        x_in, topk_idx=topk.to(device), topk_weights=w.to(device), expert_alignment=expert_alignment,
+        num_worst_tokens=num_worst_tokens, fp8=(mode in ("fp8", "fp8_dequantize")),
+        dequantize=(mode == "fp8_dequantize"), **layout_args(buffer, topk.to(device), num_experts))
     event.current_stream_wait()
+    recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
+    recv_idx, recv_w = recv_idx.cpu(), recv_w.cpu()
     rows = num_worst_tokens if num_worst_tokens else n_recv
 
     if mode in ("fp8", "fp8_input"):
@@ -138,21 +141,24 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
                       for xi, ti, wi in inputs]
     else:
         own_inputs = inputs
-    combined, combined_w, event = buffer.combine(values * (rank + 1), handle, topk_weights=recv_w)
+    combined, combined_w, event = buffer.combine((values * (rank + 1)).to(device), handle,
+                                                 topk_weights=recv_w.to(device))
     event.current_stream_wait()
+    combined, combined_w = combined.cpu(), combined_w.cpu()
     ref_out, ref_out_w = expected_combine(own_inputs, rank, world_size, num_experts,
                                           lambda q, row: (row.to(values.dtype) * (q + 1)).float())
     assert combined.dtype == values.dtype and combined.shape == x.shape
     torch.testing.assert_close(combined, ref_out.to(values.dtype), rtol=0, atol=0)
     torch.testing.assert_close(combined_w, ref_out_w, rtol=1e-6, atol=1e-6)
-    return handle
+    received = [*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_idx, recv_w, combined, combined_w]
+    return handle, received
 
 
 # -- cases (run on every rank of a pool) ---------------------------------------------------------------------
 
 def case_dispatch_combine(rank, world_size, seed, num_tokens, hidden, num_experts, num_topk, mode, special,
                           expert_alignment, num_worst_tokens, dtype):
-    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)  # CPU tensors on gloo, CUDA tensors on NCCL
     inputs = make_inputs(seed, world_size, num_tokens, hidden, num_experts, num_topk, dtype=dtype,
                          only_rank=(world_size - 1 if special == "one_rank" else None),
                          silent_rank=(1 if special == "silent_rank" else None),
@@ -177,9 +183,9 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
                              dtype=dtype, drop=0.3)
         mode = ["bf16", "fp8", "fp8_dequantize", "fp8_input"][round_index % 4] if dtype == torch.bfloat16 \
             else "bf16"
-        handle = check_round(buffer, rank, world_size, inputs, num_experts, mode)
-        for t in previous:
-            t.fill_(float("nan"))
+        for t in previous:  # poison: a transport that reads or returns stale memory shows NaN or -7
+            t.fill_(-7 if not t.is_floating_point() else float("nan"))
+        handle, previous = check_round(buffer, rank, world_size, inputs, num_experts, mode)
 
         # Cached mode: new values along the same layout land in the same rows.
         x_new = torch.randn(inputs[rank][0].shape).to(dtype)  # rank-local values; `g` must stay in step
@@ -191,7 +197,7 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
         dist.all_gather_object(gathered, x_new)
         assert torch.equal(recv_new, torch.stack([gathered[s][t] for s, t in src]) if src
                            else torch.empty(0, hidden, dtype=dtype))
-        previous = [recv_new]
+        previous.append(recv_new)
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
 
@@ -230,3 +236,12 @@ def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
     # rank, plus a (11 + world_size)-word header per rank.
     row = -(-(4096 * 4 + 9 * 12 + 4) // 16) * 16
     assert hints == [world_size * (12 * row + -(-(11 + world_size) * 8 // 16) * 16)] * world_size
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", [c for c in DISPATCH_CASES if c[0] == 2],
+                         ids=lambda c: f"ep{c[0]}-h{c[2]}-k{c[4]}-{c[5]}-{c[6]}-w{c[8]}")
+def test_reference_backend_on_nccl(case):
+    """The same cases through NCCL on two GPUs (the reference backend as the GPU transports' oracle)."""
+    world_size, *params = case
+    process_pool(world_size, "nccl").run(case_dispatch_combine, 1234 + DISPATCH_CASES.index(case), *params)

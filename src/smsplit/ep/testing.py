@@ -1,6 +1,7 @@
-"""A pool of CPU processes in one gloo group, to run many multi-rank test cases without respawning.
+"""A pool of processes in one process group, to run many multi-rank test cases without respawning.
 
     pool = gloo_pool(4)                       # started once, reused by every caller in this process
+    pool = process_pool(2, "nccl")            # rank r on cuda:r
     results = pool.run(my_case, arg1, arg2)   # my_case(rank, world_size, arg1, arg2) on every rank
 
 `my_case` must be importable by name in the workers (a module-level function). A case that fails on any rank
@@ -13,7 +14,7 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch.multiprocessing as mp
 
@@ -24,13 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -43,11 +46,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
-class GlooPool:
-    """`world_size` spawned processes, each rank of one gloo process group on 127.0.0.1."""
+class ProcessPool:
+    """`world_size` spawned processes, the ranks of one process group (`backend`: "gloo" or "nccl") on 127.0.0.1."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
+        self.backend = backend
         self.processes: List[Any] = []
         self._start()
 
@@ -56,8 +60,8 @@ class GlooPool:
         port = free_port()
         self.tasks = [context.SimpleQueue() for _ in range(self.world_size)]
         self.results = context.Queue()
-        self.processes = [context.Process(target=_worker, args=(rank, self.world_size, port, self.tasks[rank],
-                                                                 self.results), daemon=True)
+        self.processes = [context.Process(target=_worker, args=(rank, self.world_size, self.backend, port,
+                                                                 self.tasks[rank], self.results), daemon=True)
                           for rank in range(self.world_size)]
         for p in self.processes:
             p.start()
@@ -98,14 +102,19 @@ class GlooPool:
         self.processes = []
 
 
-_POOLS: Dict[int, GlooPool] = {}
+_POOLS: Dict[Tuple[int, str], ProcessPool] = {}
 
 
-def gloo_pool(world_size: int) -> GlooPool:
-    """The process-wide pool of `world_size` ranks, started on first use and closed at exit."""
-    if world_size not in _POOLS:
-        _POOLS[world_size] = GlooPool(world_size)
-    return _POOLS[world_size]
+def process_pool(world_size: int, backend: str = "gloo") -> ProcessPool:
+    """The process-wide pool of `world_size` ranks on `backend`, started on first use and closed at exit."""
+    if (world_size, backend) not in _POOLS:
+        _POOLS[(world_size, backend)] = ProcessPool(world_size, backend)
+    return _POOLS[(world_size, backend)]
+
+
+def gloo_pool(world_size: int) -> ProcessPool:
+    """`process_pool(world_size, "gloo")`: CPU ranks."""
+    return process_pool(world_size, "gloo")
 
 
 @atexit.register
