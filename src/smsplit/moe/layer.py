@@ -171,19 +171,22 @@ class MoE(nn.Module):
         fp8_dispatch: tokens travel in FP8 e4m3 (1x128 scales) and are dequantized on arrival; the
             backward of dispatch (a combine of gradients) and the combine travel in BF16.
         expert_alignment: pad each expert's token group to this many rows for the grouped GEMM.
+        combine_dtype: dtype of the expert outputs on the wire in combine (BF16 as in DeepSeek-V3); None
+            keeps the activations' dtype.
 
     Set ``self.buffer`` to an `smsplit.ep.Buffer` over the EP group when ``ep_size > 1``.
     """
 
     def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, n_groups: int = 1,
                  topk_groups: int = 1, n_shared: int = 1, route_scale: float = 1.0, ep_rank: int = 0,
-                 ep_size: int = 1, fp8_dispatch: bool = True, expert_alignment: int = 1):
+                 ep_size: int = 1, fp8_dispatch: bool = True, expert_alignment: int = 1,
+                 combine_dtype: torch.dtype | None = torch.bfloat16):
         super().__init__()
         if n_experts % ep_size:
             raise ValueError(f"n_experts={n_experts} must divide evenly over ep_size={ep_size} ranks")
         self.n_experts, self.ep_rank, self.ep_size = n_experts, ep_rank, ep_size
         self.n_local_experts = n_experts // ep_size
-        self.fp8_dispatch, self.expert_alignment = fp8_dispatch, expert_alignment
+        self.fp8_dispatch, self.expert_alignment, self.combine_dtype = fp8_dispatch, expert_alignment, combine_dtype
         self.router = Router(dim, n_experts, topk, n_groups, topk_groups, route_scale)
         self.experts = GroupedExperts(self.n_local_experts, dim, inter_dim)
         self.shared = MLP(dim, n_shared * inter_dim) if n_shared > 0 else None
@@ -215,7 +218,7 @@ class MoE(nn.Module):
     def combine(self, rows: torch.Tensor, handle) -> torch.Tensor:
         if handle is None:
             return rows
-        combined, _, _ = self.buffer.combine(rows.to(torch.bfloat16), handle)
+        combined, _, _ = self.buffer.combine(rows.to(self.combine_dtype or rows.dtype), handle)
         return combined.to(rows.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten()) * scale
 
     op_times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "FB": []}
-    timing = {}
+    timing = {"step": 0}
     trace_state = {"want": False, "trace": None, "intervals": None}
 
     def op_hook(op, when):
@@ -133,7 +133,8 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         kind = "B" if op.kind == "B" and not op.split else op.kind
         if op.kind == "B" and op.split:
             kind = "Bi"
-        op_times.setdefault(kind, []).append(time.perf_counter() - timing["t0"])
+        if timing["step"] > 0:  # the first step includes one-time set-up
+            op_times.setdefault(kind, []).append(time.perf_counter() - timing["t0"])
         if op.kind == "FB" and trace_state["want"]:
             trace_state["want"] = False
             runner.trace = None
@@ -151,6 +152,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         optimizer.zero_grad(set_to_none=True)
         runner.intervals.clear()
         trace_state["want"] = step == opts["steps"] - 1
+        timing["step"] = step
         t0 = time.perf_counter()
         loss, _ = pipe.step(inputs, num_chunks=chunks, criterion=criterion, labels=(labels,))
         step_loss = loss.sum().detach() if loss is not None else torch.zeros((), device=device)
@@ -234,16 +236,14 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
     fig.savefig(out / "loss_curve.png", dpi=110)
     plt.close(fig)
 
-    skip = min(2, max(0, len(losses) - 1))  # the first steps include warm-up
-    mean = {k: sum(v[skip:]) / len(v[skip:]) if v[skip:] else (sum(v) / len(v) if v else 0.0)
-            for k, v in op_times.items()}
+    mean = {k: sum(v) / len(v) for k, v in op_times.items() if v}
     f, fb = mean.get("F", 0.0), mean.get("FB", 0.0)
     b = mean.get("B", 0.0) or (mean.get("Bi", 0.0) + mean.get("W", 0.0))
     w = mean.get("W", 0.0)
     sim = simulate("dualpipev", pp, chunks, F=f, B=max(b, w), W=w, FB=fb or None)
     sim.save_png(str(out / "pipeline_timeline.png"),
-                 title=f"DualPipeV, {pp} pipeline rank(s), {chunks} chunks, measured op times "
-                       f"(F {1e3 * f:.1f} ms, B {1e3 * b:.1f} ms, W {1e3 * w:.1f} ms, F&B {1e3 * fb:.1f} ms)")
+                 title=f"DualPipeV, {pp} pipeline rank(s), {chunks} chunks, measured op times\n"
+                       f"F {1e3 * f:.1f} ms, B {1e3 * b:.1f} ms, W {1e3 * w:.1f} ms, F&B {1e3 * fb:.1f} ms")
 
     pieces = (trace_state.get("intervals") or {}).get("pieces", [])
     if pieces:
