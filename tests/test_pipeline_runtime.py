@@ -231,6 +231,28 @@ def _hook(kind, world, rank, chunks):
                 expected=sum(op.kind == "FB" for op in schedule(kind, world, chunks)[rank]))
 
 
+class _OneWork:
+    """What NCCL's batch_isend_irecv returns: one work for the whole coalesced batch."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
+
+
+@scenario("train-coalesced-dualpipe-2", 2)
+def _coalesced(rank, world):
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_OneWork(real(ops))]
+    try:
+        return train_and_compare("dualpipe", world, rank, 6, LinearStage)
+    finally:
+        dist.batch_isend_irecv = real
+
+
 @scenario("mixed-types-dualpipev-2", 2)
 def _mixed_types(rank, world):
     return train_and_compare("dualpipev", world, rank, 4, Stage, OtherStage, steps=1)

@@ -380,6 +380,10 @@ class _Pipeline(nn.Module):
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
             if ops:
                 works = dist.batch_isend_irecv(ops)
+                if len(works) != len(ops):  # NCCL coalesces a batch into one work: wait on it
+                    for work in works:  # (on a GPU this only makes the current stream wait)
+                        work.wait()
+                    works = []
                 for op, work in zip(ops, works):
                     if op.op is dist.irecv:
                         work.wait()
