@@ -60,9 +60,13 @@ def case_gradients(rank, world_size, seed, num_tokens, hidden, num_experts, num_
 
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
     recv_x, recv_topk_idx, recv_w, _, handle, _ = buffer.dispatch(
-        x_leaf, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+        fp8_lib.quantize_1x128(x) if mode == "fp8_input" else x_leaf,
+        num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk, topk_weights=w_leaf,
         num_worst_tokens=num_worst_tokens, fp8=(mode == "fp8_dequantize"), dequantize=(mode == "fp8_dequantize"))
+    if mode == "fp8_input":
+        assert not recv_x[0].requires_grad
+        recv_x = fp8_lib.dequantize_1x128(*recv_x, dtype)
     local = num_experts // world_size
     local_coef = coef[rank * local:(rank + 1) * local]
     scale = (recv_w * torch.where(recv_topk_idx >= 0, local_coef[recv_topk_idx.clamp(min=0)], 0.0)).sum(1, True)
@@ -71,7 +75,7 @@ def case_gradients(rank, world_size, seed, num_tokens, hidden, num_experts, num_
     loss = (combined.float() * grad_out).sum() + (combined_w * grad_out_w).sum()
     loss.backward()
 
-    x_forward = fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(x), dtype) if mode == "fp8_dequantize" else None
+    x_forward = fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(x), dtype) if mode.startswith("fp8") else None
     ref_x, ref_w, ref_bias = dense_grads(coef, x, topk, w, bias, grad_out, grad_out_w, x_forward)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     if "x" in grad_of:
@@ -94,6 +98,7 @@ GRAD_CASES = [
     (4, [3, 2, 4, 1], 2048, 36, 9, "float32", ("x", "w", "bias"), "plain", 0),
     (4, [2, 3, 0, 2], 7168, 16, 1, "float32", ("x",), "plain", 8),
     (4, [2, 2, 2, 2], 2048, 16, 4, "float32", ("x", "w"), "fp8_dequantize", 0),
+    (2, [3, 4], 2048, 8, 3, "float32", ("w", "bias"), "fp8_input", 0),  # FP8 x: only the weights get grads
 ]
 
 

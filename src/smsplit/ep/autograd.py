@@ -21,9 +21,11 @@ class _Dispatch(torch.autograd.Function):
         box["result"] = result
         recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = result
         ctx.buffer, ctx.handle, ctx.recv_topk_idx = buffer, handle, recv_topk_idx
-        ctx.x_dtype, ctx.hidden = x.dtype, x.size(1)
+        values = x[0] if isinstance(x, tuple) else x
+        ctx.x_dtype, ctx.hidden = values.dtype, values.size(1)
         out_x = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-        if out_x.dtype == torch.float8_e4m3fn:
+        ctx.x_differentiable = out_x.dtype != torch.float8_e4m3fn
+        if not ctx.x_differentiable:
             ctx.mark_non_differentiable(out_x)
         if recv_topk_weights is None:
             return out_x, None
@@ -32,13 +34,12 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_topk_weights):
         buffer, handle = ctx.buffer, ctx.handle
-        need_x, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        need_x = ctx.needs_input_grad[3] and ctx.x_differentiable
+        need_w = ctx.needs_input_grad[4]
         grad_x_in = grad_w_in = None
         if need_x:
             grad_x_in = grad_recv_x if grad_recv_x is not None else torch.zeros(
                 handle.num_recv_rows, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
-            if grad_x_in.dtype == torch.float8_e4m3fn or not grad_x_in.is_floating_point():
-                grad_x_in = torch.zeros(handle.num_recv_rows, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
         if need_w:
             num_topk = ctx.recv_topk_idx.size(1)
             grad_w_in = grad_recv_topk_weights if grad_recv_topk_weights is not None else torch.zeros(
