@@ -290,7 +290,7 @@ def _draw_pieces(rows, path, title):
     plt.close(fig)
 
 
-def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 300, *, device: str = "auto", world_size: int = 2,
+def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: str = "auto", world_size: int = 2,
              pp: int = 1, chunks: int = 4, batch: int = 16, seed: int = 0, lr: float = 3e-3, comm_sms: int = 20,
              model: dict | None = None, progress: bool = True, timeout_s: float = 120.0) -> dict:
     """Train the tiny MoE model for ``steps`` steps and write the report to ``out_dir``; returns the summary.

@@ -1,0 +1,267 @@
+"""MoE block forward(A) + backward(B): serial vs overlapped (DeepSeek-V3 F&B), per EP transport and comm SM count.
+
+One block (RMSNorm, attention, RMSNorm, MoE with one shared expert) at DeepSeek-V3 width: hidden 7168, expert
+intermediate 2048, 256 routed experts (128 per rank on 2 GPUs), top-8 from 4 of 8 groups, 4096 tokens per
+micro-batch per rank, bf16, FP8 dispatch and BF16 combine. For each (transport, comm SMs):
+
+  serial      forward of micro-batch A, then backward of micro-batch B (same pieces, same streams)
+  overlapped  `overlapped_forward_backward`: A's compute pieces beside B's communication pieces and vice versa
+
+Times are CUDA-event medians; ``exposed`` is the share of the step in which communication ran and no compute
+did (from per-piece events). The best split is picked with `smsplit.autotune.autotune_split`.
+
+Run on 2x H200:  PYTHONPATH=src python3 bench/moe_overlap.py
+CPU smoke run:   PYTHONPATH=src python3 bench/moe_overlap.py --smoke   (2 gloo ranks, tiny shapes)
+Writes bench/results/moe_overlap.json (moe_overlap_smoke.json with --smoke) and, on GPU,
+bench/figures/moe_overlap_trace.png (SM-by-time trace of one overlapped step at the best split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import FIGURES, environment, write_result  # noqa: E402
+
+from smsplit.moe.layer import GROUPED_MM_PATH  # noqa: E402
+from smsplit.moe.model import ModelConfig, Stage  # noqa: E402
+from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward  # noqa: E402
+
+FULL = dict(dim=7168, inter_dim=2048, n_experts=256, topk=8, n_groups=8, topk_groups=4, n_heads=56, tokens=4096,
+            seq_len=4096, route_scale=2.5)
+SMOKE = dict(dim=256, inter_dim=64, n_experts=16, topk=4, n_groups=4, topk_groups=2, n_heads=4, tokens=256,
+             seq_len=128, route_scale=2.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Case:
+    """One block on this rank and the micro-batches it runs."""
+
+    def __init__(self, shape: dict, rank: int, world: int, device, dtype):
+        cfg = ModelConfig(vocab_size=8, dim=shape["dim"], n_layers=1, n_heads=shape["n_heads"],
+                          inter_dim=shape["inter_dim"], n_experts=shape["n_experts"], topk=shape["topk"],
+                          n_groups=shape["n_groups"], topk_groups=shape["topk_groups"],
+                          route_scale=shape["route_scale"], seq_len=shape["seq_len"])
+        self.block = Stage(cfg, [0], ep_rank=rank, ep_size=world, seed=1).to(device=device, dtype=dtype)
+        moe = self.block.blocks[0].moe
+        moe.router.to(torch.float32)
+        moe.router.bias = moe.router.bias.float()
+        moe.expert_alignment = 16 if device.type == "cuda" else 1
+        moe.router.eval()  # no load counting in a benchmark
+        batch = shape["tokens"] // shape["seq_len"]
+        g = torch.Generator().manual_seed(100 + rank)
+        self.inputs = [torch.randn(batch, shape["seq_len"], shape["dim"], generator=g).to(device, dtype)
+                       for _ in range(2)]
+        self.grad = torch.randn(batch, shape["seq_len"], shape["dim"], generator=g).to(device, dtype) * 1e-2
+
+    def set_split(self, buffer, runner):
+        self.block.blocks[0].moe.buffer = buffer
+        self.block.runner = runner
+
+    def step(self, fb, runner):
+        """Forward micro-batch B (untimed), then time fb: forward of A with backward of B."""
+        x_b = self.inputs[1].detach().requires_grad_()
+        y_b = self.block(x_b)
+        x_a = self.inputs[0].detach().requires_grad_()
+        if runner.on_streams:
+            torch.cuda.synchronize()
+        runner.intervals.clear()
+        start = _now(runner)
+        (y_a,), _ = fb(self.block, [x_a], None, [], self.block, None, [y_b], [self.grad], runner=runner)
+        end = _now(runner)
+        seconds = _elapsed(start, end)
+        del y_a
+        return seconds, runner.exposed_comm()
+
+
+def _now(runner):
+    if runner.on_streams:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed(start, end) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _measure(case, runner, iters, warmup):
+    out = {}
+    for name, fn in (("serial", serial_forward_backward), ("overlapped", overlapped_forward_backward)):
+        for _ in range(warmup):
+            case.step(fn, runner)
+        runs = [case.step(fn, runner) for _ in range(iters)]
+        times = [t for t, _ in runs]
+        median = statistics.median(times)
+        shares = min(runs, key=lambda r: abs(r[0] - median))[1]
+        out[name] = dict(ms=1e3 * median, min_ms=1e3 * min(times), exposed_fraction=shares["exposed_fraction"],
+                         comm_ms=1e3 * shares["comm_s"], compute_ms=1e3 * shares["compute_s"])
+        case.block.zero_grad(set_to_none=True)
+    out["speedup"] = out["serial"]["ms"] / out["overlapped"]["ms"]
+    return out
+
+
+def _worker(rank, world, port, args):
+    from smsplit.ep import Buffer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    on_gpu = not args.smoke
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    try:
+        shape = dict(SMOKE if args.smoke else FULL)
+        if args.experts:
+            shape["n_experts"] = args.experts
+        device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        case = Case(shape, rank, world, device, dtype)
+        rows = []
+        splits = [(t, n) for t in args.transports for n in (args.comm_sms if on_gpu else [0])]
+        for transport, comm_sms in splits:
+            row = dict(transport=transport, comm_sms=comm_sms)
+            budget = None
+            try:
+                if on_gpu:
+                    from smsplit.budget import SmBudget, SmBudgetError
+
+                    try:
+                        budget = SmBudget(comm_sms, device=device, mode="green")
+                    except SmBudgetError:
+                        budget = SmBudget(comm_sms, device=device, mode="grid")
+                    row.update(granted_comm_sms=budget.comm_sms, mode=budget.mode)
+                buffer = Buffer(dist.group.WORLD, budget=budget, backend=transport, timeout_s=args.timeout_s)
+                runner = PieceRunner(budget.comm_stream if budget else None,
+                                     budget.compute_stream if budget else None, record=True)
+                case.set_split(buffer, runner)
+                row.update(_measure(case, runner, args.iters, args.warmup))
+            except Exception as e:  # noqa: BLE001 - an unavailable transport is a row, not a crash
+                row["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                if budget is not None:
+                    budget.close()
+            rows.append(row)
+            if rank == 0:
+                print(_format_row(row), flush=True)
+
+        best = None
+        if on_gpu:
+            from smsplit.autotune import autotune_split
+
+            ok = [(r["transport"], r["comm_sms"]) for r in rows if "error" not in r]
+            state = {}
+
+            def overlapped_step(split):
+                if state.get("split") != split:
+                    if state.get("budget") is not None:
+                        state["budget"].close()
+                    from smsplit.budget import SmBudget, SmBudgetError
+
+                    try:
+                        budget = SmBudget(split[1], device=device, mode="green")
+                    except SmBudgetError:
+                        budget = SmBudget(split[1], device=device, mode="grid")
+                    buffer = Buffer(dist.group.WORLD, budget=budget, backend=split[0], timeout_s=args.timeout_s)
+                    state.update(split=split, budget=budget,
+                                 runner=PieceRunner(budget.comm_stream, budget.compute_stream, record=True))
+                    case.set_split(buffer, state["runner"])
+                case.step(overlapped_forward_backward, state["runner"])
+
+            if ok:
+                best, table = autotune_split(overlapped_step, ok, warmup=1, iters=args.iters, group=dist.group.WORLD)
+                best = dict(transport=best[0], comm_sms=best[1],
+                            autotune=[dict(split=list(r["candidate"]), ms=r["ms"], error=r["error"]) for r in table])
+                if args.trace:
+                    from smsplit.trace import Trace
+
+                    split = (best["transport"], best["comm_sms"])
+                    overlapped_step(split)
+                    runner = state["runner"]
+                    runner.trace = trace = Trace(device)
+                    case.step(overlapped_forward_backward, runner)
+                    runner.trace = None
+                    if rank == 0:
+                        FIGURES.mkdir(parents=True, exist_ok=True)
+                        title = f"MoE block F&B overlapped, {split[0]}, {state['budget']!r}"
+                        trace.save_png(FIGURES / "moe_overlap_trace.png", title=title,
+                                       num_sms=state["budget"].total_sms)
+                        trace.save_chrome(FIGURES / "moe_overlap_trace.json")
+                if state.get("budget") is not None:
+                    state["budget"].close()
+
+        if rank == 0:
+            valid = [r for r in rows if "error" not in r]
+            payload = dict(
+                environment(), benchmark="moe_overlap", smoke=args.smoke, world=world, shape=shape,
+                dtype=str(dtype), note=("expert count as DeepSeek-V3 (256)" if shape["n_experts"] == 256 else
+                                        f"expert count shrunk to {shape['n_experts']}"),
+                grouped_mm_path={f"{k[0]} {k[1]} {k[2]}": v for k, v in GROUPED_MM_PATH.items()},
+                rows=rows, best=best,
+                best_speedup=max((r["speedup"] for r in valid), default=None),
+                best_overlapped_exposed_fraction=min((r["overlapped"]["exposed_fraction"] for r in valid),
+                                                     default=None),
+                targets=dict(speedup=">= 1.3", exposed_fraction="< 0.05"))
+            path = write_result("moe_overlap_smoke" if args.smoke else "moe_overlap", payload)
+            print(f"wrote {path}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _format_row(row) -> str:
+    if "error" in row:
+        return f"{row['transport']:>10} comm_sms={row['comm_sms']:>3}: {row['error']}"
+    s, o = row["serial"], row["overlapped"]
+    return (f"{row['transport']:>10} comm_sms={row['comm_sms']:>3}: serial {s['ms']:8.2f} ms "
+            f"(exposed {100 * s['exposed_fraction']:4.1f}%)  overlapped {o['ms']:8.2f} ms "
+            f"(exposed {100 * o['exposed_fraction']:4.1f}%)  speedup {row['speedup']:.2f}x")
+
+
+def main(argv=None):
+    from smsplit.ep.buffer import BACKENDS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU run: 2 gloo ranks, tiny shapes")
+    parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 24, 32])
+    parser.add_argument("--transports", nargs="+", default=[b for b in BACKENDS if b != "auto"],
+                        help=f"EP transports (Buffer backends); this build has {BACKENDS}")
+    parser.add_argument("--experts", type=int, default=0, help="routed experts (default 256; shrink only for memory)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trace", action="store_true", help="write an SM trace of one overlapped step (GPU)")
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    world = 2
+    if not args.smoke and torch.cuda.device_count() < world:
+        parser.error(f"needs {world} GPUs (found {torch.cuda.device_count()}); use --smoke on a CPU")
+    mp.spawn(_worker, args=(world, _free_port(), args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
