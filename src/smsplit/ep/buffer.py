@@ -37,10 +37,8 @@ def _reject(argument: str, message: str) -> EPArgumentError:
     return EPArgumentError(argument, f"{argument}: {message}")
 
 
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
-    return type(t).__name__
+def _status_code(error: EPArgumentError) -> int:
+    return 1 + (ARGUMENTS.index(error.argument) if error.argument in ARGUMENTS else len(ARGUMENTS))
 
 
 def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optional[int], ...]) -> None:
@@ -87,6 +85,7 @@ class Buffer:
         backend: the transport in use ("reference").
         device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
         timeout_s: the longest wait for a peer, in seconds.
+        transport: the `Transport` that moves the bytes.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_sms: int = 20,
@@ -295,7 +294,7 @@ class Buffer:
             self._fill_header(header, spec)
         except EPArgumentError as e:
             error = e
-            header[:, H_STATUS] = 1 + ARGUMENTS.index(e.argument) if e.argument in ARGUMENTS else len(ARGUMENTS) + 1
+            header[:, H_STATUS] = _status_code(e)
         headers = self.transport.exchange_headers("dispatch", "counts", header)
         self._agree(OP_DISPATCH, headers, error)
         self._wait_previous(previous_event)
@@ -410,7 +409,7 @@ class Buffer:
             header[:, H_FLAGS] = FLAG_TOPK_WEIGHTS * (topk_weights is not None)
         except EPArgumentError as e:
             error = e
-            header[:, H_STATUS] = 1 + ARGUMENTS.index(e.argument) if e.argument in ARGUMENTS else len(ARGUMENTS) + 1
+            header[:, H_STATUS] = _status_code(e)
         headers = self.transport.exchange_headers("combine", "status", header)
         self._agree(OP_COMBINE, headers, error)
         self._wait_previous(previous_event)
