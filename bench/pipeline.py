@@ -69,10 +69,11 @@ class Block(nn.Module):
 
 def make_stage(args, stage: int, device, dtype, linear=nn.Linear) -> nn.Sequential:
     blocks = []
-    for i in range(args.blocks_per_stage):
-        torch.manual_seed(1000 + stage * args.blocks_per_stage + i)
-        blocks.append(Block(args.hidden, args.heads, linear))
-    return nn.Sequential(*blocks).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialise on the GPU: CPU init of 200M-parameter blocks is slow
+        for i in range(args.blocks_per_stage):
+            torch.manual_seed(1000 + stage * args.blocks_per_stage + i)
+            blocks.append(Block(args.hidden, args.heads, linear).to(dtype))
+    return nn.Sequential(*blocks)
 
 
 def loss_fn(out, target):
@@ -166,6 +167,13 @@ def bench_torch(args, name, rank, device, dtype, clock, data):
 
     if not hasattr(pl, name):
         return {"skipped": f"torch {torch.__version__} has no torch.distributed.pipelining.{name}"}
+    try:
+        return _bench_torch(args, pl, name, rank, device, dtype, clock, data)
+    except Exception as e:  # recorded: one schedule failing must not lose the others' figures
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _bench_torch(args, pl, name, rank, device, dtype, clock, data):
     x, y = data
     cls = getattr(pl, name)
     if name == "ScheduleDualPipeV":
@@ -188,10 +196,7 @@ def bench_torch(args, name, rank, device, dtype, clock, data):
 
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
-    try:
-        result = time_steps(run_step, clock, args.warmup, args.steps, None)
-    except Exception as e:  # recorded: one schedule failing must not lose the others' figures
-        return {"error": f"{type(e).__name__}: {e}"}
+    result = time_steps(run_step, clock, args.warmup, args.steps, None)
     result["peak_memory_gib"] = peak_memory(clock.cuda)
     del sched, mods
     return result
@@ -305,6 +310,8 @@ def main() -> None:
         entry["steps_ms_per_rank"] = [r.get("steps_ms_this_rank") for r in recs]
         entry["peak_memory_gib_per_rank"] = [r.get("peak_memory_gib") for r in recs]
         entry.pop("peak_memory_gib", None)
+        if "median_ms" in entry:
+            entry["tokens_per_s"] = args.chunks * args.micro_batch * args.seq / (entry["median_ms"] / 1e3)
         per_schedule[name] = entry
     timeline = summarize_timeline(args, [results[r]["smsplit.DualPipeV"] for r in range(RANKS)])
     FIGURES.mkdir(parents=True, exist_ok=True)
