@@ -32,7 +32,9 @@ def _flags(flag, out):
     d = ptx.atom_add_release_sys(flag + 3, 4)
     ptx.fence_acq_rel_sys()
     ptx.fence_acq_rel_gpu()
-    tl.store(out, a + b + c + d)
+    e = ptx.wait_geq_sys(flag + 4, 1, 1000)
+    tl.debug_barrier()
+    tl.store(out, a + b + c + d + e)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ KERNEL_OF = {
     "atom_add_release_sys": "flags",
     "fence_acq_rel_sys": "flags",
     "fence_acq_rel_gpu": "flags",
+    "wait_geq_sys": "flags",
 }
 
 
@@ -73,6 +76,17 @@ def test_intrinsic_reaches_ptx_and_cubin(compiled, name):
     assert ptx.INSTRUCTIONS[name] in ptx_text
     assert ".target sm_90" in ptx_text
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+
+
+def test_wait_is_inlined_twice_without_label_clashes():
+    @triton.jit
+    def two_waits(flag, out):
+        a = ptx.wait_geq_sys(flag, 1, 1000)
+        b = ptx.wait_geq_sys(flag + 1, 2, 1000)
+        tl.store(out, a + b)
+
+    text, cubin = ptx.compile_for_sm90(two_waits, {"flag": "*i32", "out": "*i32"})
+    assert text.count("nanosleep.u32") == 2 and cubin[:4] == b"\x7fELF"
 
 
 def test_flag_ops_are_not_optimised_away(compiled):

@@ -178,6 +178,45 @@ def fence_acq_rel_gpu():
     )
 
 
+@triton.jit
+def wait_geq_sys(ptr, target, timeout_ns):
+    """Spin in thread 0 until the int32 at ``ptr`` is >= ``target`` (``ld.acquire.sys`` with
+    ``nanosleep`` back-off) or ``timeout_ns`` passes. Returns the last value seen in thread 0 and
+    ``target`` in every other thread; follow it with ``tl.debug_barrier()`` so that the whole
+    program waits for thread 0. One spinning thread per program keeps the memory system free for
+    the programs still copying."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred is_first, done, late;
+        .reg .u32 tid;
+        .reg .u64 start, now, waited;
+        mov.u32 tid, %tid.x;
+        setp.eq.u32 is_first, tid, 0;
+        mov.b32 $0, $2;
+        @!is_first bra WAIT_END;
+        mov.u64 start, %globaltimer;
+        WAIT_LOOP:
+        ld.acquire.sys.global.b32 $0, [$1];
+        setp.ge.s32 done, $0, $2;
+        @done bra WAIT_END;
+        mov.u64 now, %globaltimer;
+        sub.u64 waited, now, start;
+        setp.gt.u64 late, waited, $3;
+        @late bra WAIT_END;
+        nanosleep.u32 32;
+        bra WAIT_LOOP;
+        WAIT_END:
+        }
+        """,
+        "=r,l,r,l",
+        [ptr, tl.cast(target, tl.int32), tl.cast(timeout_ns, tl.int64)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 # The instruction each intrinsic must put into the PTX (checked by the compile tests).
 INSTRUCTIONS = {
     "smid": "%smid",
@@ -192,6 +231,7 @@ INSTRUCTIONS = {
     "atom_add_release_sys": "atom.release.sys.global.add.s32",
     "fence_acq_rel_sys": "fence.acq_rel.sys",
     "fence_acq_rel_gpu": "fence.acq_rel.gpu",
+    "wait_geq_sys": "nanosleep.u32",
 }
 
 

@@ -52,21 +52,19 @@ STATE_WORDS = 8
 @triton.jit
 def _wait_for_sources(sig_ptr, R, target, timeout_ns, status_ptr, phase):
     """Wait until ``sig_ptr[s] >= target`` for every source s < R, each wait bounded by
-    ``timeout_ns``. On timeout writes (phase, source, seen, expected) to the status words."""
+    ``timeout_ns`` (thread 0 spins, the program waits at a barrier). On timeout thread 0 writes
+    (phase, source, seen, expected) to the status words and later waits are skipped."""
     failed = tl.load(status_ptr, volatile=True)
     for s in range(R):
-        start = ptx.globaltimer()
-        now = start
-        seen = ptx.ld_acquire_sys(sig_ptr + s)
-        while (seen < target) & (now - start < timeout_ns) & (failed == 0):
-            seen = ptx.ld_acquire_sys(sig_ptr + s)
-            now = ptx.globaltimer()
-        if (seen < target) & (failed == 0):
-            tl.store(status_ptr + 1, s)
-            tl.store(status_ptr + 2, seen)
-            tl.store(status_ptr + 3, target)
-            tl.store(status_ptr, phase)
-            failed = 1
+        if failed == 0:
+            seen = ptx.wait_geq_sys(sig_ptr + s, target, timeout_ns)
+            if seen < target:  # only thread 0 can see this
+                tl.store(status_ptr + 1, s)
+                tl.store(status_ptr + 2, seen)
+                tl.store(status_ptr + 3, target)
+                tl.store(status_ptr, phase)
+                failed = 1
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -300,10 +298,10 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
             ok = (_column(pos, cols, d) >= 0)[:, None]
             slot = d * max_tokens + t64
             src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
-            acc += tl.load(src + h, mask=ok & hmask, other=0.0, volatile=True).to(tl.float32)
+            acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
             if HAS_WEIGHTS:
                 src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
-                acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, volatile=True)
+                acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
         if HAS_WEIGHTS:
             tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
