@@ -201,6 +201,20 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
 
+def case_subgroup(rank, world_size, seed):
+    """A Buffer on the subgroup of odd ranks: group ranks, not global ranks, address the peers."""
+    members = list(range(1, world_size, 2))
+    group = dist.new_group(members, backend="gloo")  # collective over the whole world
+    if rank not in members:
+        return None
+    group_rank, group_size = members.index(rank), len(members)
+    buffer = Buffer(group, timeout_s=10)
+    assert (buffer.rank, buffer.group_size) == (group_rank, group_size)
+    inputs = make_inputs(seed, group_size, [4, 6, 3][:group_size], 2048, 4 * group_size, 3)
+    handle, _ = check_round(buffer, group_rank, group_size, inputs, 4 * group_size, "bf16")
+    return handle.num_recv_tokens
+
+
 # -- tests -----------------------------------------------------------------------------------------------------
 
 DISPATCH_CASES = [
@@ -236,6 +250,12 @@ def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
     # rank, plus a (11 + world_size)-word header per rank.
     row = -(-(4096 * 4 + 9 * 12 + 4) // 16) * 16
     assert hints == [world_size * (12 * row + -(-(11 + world_size) * 8 // 16) * 16)] * world_size
+
+
+def test_buffer_on_a_subgroup():
+    received = gloo_pool(4).run(case_subgroup, 4242)
+    assert received[0] is None and received[2] is None
+    assert received[1] > 0 and received[3] > 0
 
 
 @pytest.mark.multigpu
