@@ -141,20 +141,26 @@ def _pick(values, cols, d):
 @triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
-                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
+                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns, remote_programs,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
-    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128."""
+    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
+
+    The first ``remote_programs`` programs write to the other ranks (over NVLink), the rest to this
+    rank's own buffer: a program whose NVLink stores are held back by a saturated link would
+    otherwise hold back its local stores too."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
-    pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    is_remote = tl.program_id(0) < remote_programs
+    pid = tl.where(is_remote, tl.program_id(0), tl.program_id(0) - remote_programs)
+    group = tl.where(is_remote, remote_programs, programs - remote_programs)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
@@ -167,7 +173,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     gmask = grp < n_groups
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
-    for t0 in range(pid * TB, T, programs * TB):
+    for t0 in range(pid * TB, T, group * TB):
         t = t0 + tl.arange(0, TB)
         tmask = t < T
         t64 = t.to(tl.int64)[:, None]
@@ -190,7 +196,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
         for d in range(R):
             p = _column(pos, cols, d)
-            ok = (p >= 0)[:, None]
+            ok = ((p >= 0) & ((d != rank) == is_remote))[:, None]
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
             if QUANTIZE:
@@ -251,8 +257,9 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
                    off_cx, off_cw, sig_off, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
-    """Push received row r back to slot [rank][src[r]] of its source's combine area, then sum
-    the slots [d][t] of this rank's tokens over the ranks d they went to (fp32) into out (bf16)."""
+    """Push each row received from another rank back to slot [rank][src[r]] of its source's
+    combine area, then sum, for each of this rank's tokens, its rows from the ranks it went to (fp32;
+    its own rank's row straight from y) into out (bf16)."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
@@ -267,11 +274,12 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     cols = tl.arange(0, RP)
     total = tl.load(layout_ptr + 2 * R)
     starts = tl.load(layout_ptr + R + cols, mask=cols < R, other=2**30)
+    self_start = tl.load(layout_ptr + R + rank)
     for r0 in range(pid * TB, total, programs * TB):
         r = r0 + tl.arange(0, TB)
-        rmask = (r < total)[:, None]
         r64 = r.to(tl.int64)[:, None]
         source = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1) - 1
+        rmask = ((r < total) & (source != rank))[:, None]
         j = tl.load(src_ptr + r64, mask=rmask, other=0).to(tl.int64)
         base = tl.load(bases_ptr + source, mask=r < total, other=0)[:, None]
         w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, rmask & vmask)
@@ -295,13 +303,21 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
         acc = tl.zeros((TB, HB), dtype=tl.float32)
         acc_w = tl.zeros((TB, KP), dtype=tl.float32)
         for d in range(R):
-            ok = (_column(pos, cols, d) >= 0)[:, None]
-            slot = d * max_tokens + t64
-            src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
-            acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if HAS_WEIGHTS:
-                src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
-                acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+            p = _column(pos, cols, d)
+            ok = (p >= 0)[:, None]
+            if d == rank:
+                row = self_start + p.to(tl.int64)[:, None]
+                y_rows = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + row * H
+                acc += tl.load(y_rows + h, mask=ok & hmask, other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
+            else:
+                slot = d * max_tokens + t64
+                src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
+                acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                if HAS_WEIGHTS:
+                    src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
+                    acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
         if HAS_WEIGHTS:
             tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
@@ -371,8 +387,12 @@ class NvlinkTransport:
         if self.num_ranks > 16:
             raise ValueError(f"the NVLink transport handles up to 16 ranks, the group has {self.num_ranks}")
         self.device = torch.device(device)
+        if num_sms < (2 if self.num_ranks > 1 else 1):
+            raise ValueError(f"num_sms must be at least 2 with {self.num_ranks} ranks (programs writing to "
+                             f"peers and to this rank are separate), got {num_sms}")
         self.num_sms = num_sms
         self.tokens_per_step = 4
+        self.remote_fraction = 0.5  # of the dispatch programs, those that write over NVLink
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -421,6 +441,11 @@ class NvlinkTransport:
         name = PHASES[phase - 1]
         what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
         raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+
+    def _remote_programs(self) -> int:
+        if self.num_ranks == 1:
+            return 0
+        return min(self.num_sms - 1, max(1, round(self.num_sms * self.remote_fraction)))
 
     def _status_addr(self) -> int:
         return self.status.data_ptr()
@@ -489,7 +514,7 @@ class NvlinkTransport:
             topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state, self._status_addr(),
             T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
             self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
-            self.offsets["src"], self.offsets["signals"], self.timeout_ns,
+            self.offsets["src"], self.offsets["signals"], self.timeout_ns, self._remote_programs(),
             X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
             KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
