@@ -81,9 +81,18 @@ class Router(nn.Module):
     def update_bias(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Move the bias against the load counted since the last call (summed over ``group`` when
         given, so every rank makes the same update) and reset the count. Returns the load used."""
-        load = self.load.clone()
-        if group is not None:
-            dist.all_reduce(load, group=group)
-        self.bias += self.bias_update_speed * torch.sign(load.mean() - load)
-        self.load.zero_()
-        return load
+        return update_biases([self], group)[0]
+
+
+@torch.no_grad()
+def update_biases(routers: list[Router], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """`Router.update_bias` for several routers with one all-reduce."""
+    if not routers:
+        return []
+    loads = torch.stack([r.load for r in routers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for router, load in zip(routers, loads):
+        router.bias += router.bias_update_speed * torch.sign(load.mean() - load)
+        router.load.zero_()
+    return list(loads)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from smsplit.moe.model import ModelConfig, build_stages
 from smsplit.moe.overlap import COMM, PieceRunner
+from smsplit.moe.router import update_biases
 
 
 def synthetic_batch(cfg: ModelConfig, batch: int, seed: int, step: int, slot: int) -> torch.Tensor:
@@ -160,8 +161,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
             _all_reduce_grads(replicated, ep_group)
             dist.all_reduce(step_loss, group=ep_group)
         optimizer.step()
-        for router in routers:
-            router.update_bias(ep_group if ep > 1 else None)
+        update_biases(routers, ep_group if ep > 1 else None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -291,7 +291,7 @@ def _draw_pieces(rows, path, title):
 
 
 def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: str = "auto", world_size: int = 2,
-             pp: int = 1, chunks: int = 4, batch: int = 16, seed: int = 0, lr: float = 3e-3, comm_sms: int = 20,
+             pp: int = 1, chunks: int = 2, batch: int = 16, seed: int = 0, lr: float = 3e-3, comm_sms: int = 20,
              model: dict | None = None, progress: bool = True, timeout_s: float = 120.0) -> dict:
     """Train the tiny MoE model for ``steps`` steps and write the report to ``out_dir``; returns the summary.
 
