@@ -39,7 +39,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from common import FIGURES, RESULTS, environment, write_result  # noqa: E402
+from common import FIGURES, environment, write_result  # noqa: E402
 
 from smsplit.pipeline import DualPipeV, Linear, Op, Simulation, schedule, simulate  # noqa: E402
 from smsplit.pipeline.schedule import TimedOp, stage_of  # noqa: E402

@@ -9,7 +9,6 @@ Every blocking wait is bounded by the gloo timeout (60 s), so a bug fails instea
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -173,6 +172,7 @@ def train_and_compare(kind, ranks, rank, chunks, cls=Stage, cls1=None, steps=2):
             rec["losses_checked"] += len(loss)
         for module, s in zip(pipe.module, (s0, s1)):
             for (name, p), q in zip(module.named_parameters(), stages[s].parameters()):
+                rec["grad_has_graph"] = rec.get("grad_has_graph", False) or p.grad.requires_grad
                 rec["grad_1mcos"] = max(rec["grad_1mcos"], one_minus_cos(p.grad, q.grad))
                 rec["grad_relerr"] = max(rec["grad_relerr"], float((p.grad - q.grad).norm() / q.grad.norm()))
     return rec
@@ -274,7 +274,7 @@ def _linear_store(rank, world):
     deferred = lin.weight.grad is None and lin.bias.grad is None
     WeightGradStore.flush()
     WeightGradStore.pop()
-    rec = {"deferred": deferred, "dx_err": float((x.grad - xr.grad).abs().max()),
+    rec = {"deferred": deferred, "grad_has_graph": lin.weight.grad.requires_grad, "dx_err": float((x.grad - xr.grad).abs().max()),
            "dw_err": float((lin.weight.grad - ref.weight.grad).abs().max()),
            "db_err": float((lin.bias.grad - ref.bias.grad).abs().max())}
     lin.zero_grad(set_to_none=True)
@@ -374,6 +374,7 @@ def test_training_matches_single_process(name):
         assert rec["loss_err"] < 1e-12, (name, r, rec)
         assert rec["grad_1mcos"] < 1e-12, (name, r, rec)
         assert rec["grad_relerr"] < 1e-10, (name, r, rec)
+        assert not rec["grad_has_graph"], "a .grad must not carry an autograd graph"
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("fwd-")])
@@ -397,6 +398,7 @@ def test_overlap_hook_with_deferred_linear(name):
 def test_linear_defers_weight_grad_only_when_store_enabled():
     (rec,) = records("linear-store-semantics")
     assert rec["deferred"], "with the store enabled, backward must leave dW to the store"
+    assert not rec["grad_has_graph"], "a deferred dW must not carry an autograd graph"
     assert max(rec["dx_err"], rec["dw_err"], rec["db_err"], rec["immediate_dw_err"]) < 1e-12, rec
 
 

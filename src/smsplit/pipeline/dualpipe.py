@@ -181,7 +181,7 @@ class _Pipeline(nn.Module):
                         self.op_hook(item, "end")
             self._finish_sends()
             if WeightGradStore.queue or WeightGradStore.cache:
-                raise RuntimeError(f"{name}: deferred weight gradients left after the step")
+                raise RuntimeError(f"{type(self).__name__}: deferred weight gradients left after the step")
         finally:
             WeightGradStore.clear()
 
@@ -193,7 +193,8 @@ class _Pipeline(nn.Module):
                 outputs = [torch.cat(ts, self.batch_dim)
                            for ts in zip(*[self._results[c] for c in range(per_lane)])]
                 outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
-        del self._inputs, self._outputs, self._out_grads, self._in_grads, self._losses, self._results
+        del self._inputs, self._outputs, self._out_meta, self._out_grads, self._in_grads, self._losses
+        del self._results, self._labels
         return loss, outputs
 
     def _check_step_args(self, inputs, num_chunks, criterion, labels, forward_only, first_module,
@@ -247,14 +248,11 @@ class _Pipeline(nn.Module):
             if not self._forward_only:
                 WeightGradStore.pop()
             return
-        if self._forward_only or op.kind == "F" or (op.kind == "FB" and not self.overlapped_forward_backward):
+        if op.kind != "FB" or not self.overlapped_forward_backward or self._forward_only:
             if op.forward is not None:
                 self._forward(*op.forward)
             if op.backward is not None and not self._forward_only:
                 self._backward(*op.backward, split=op.split)
-            return
-        if op.kind == "B":
-            self._backward(*op.backward, split=op.split)
             return
         fm, fc = op.forward
         bm, bc = op.backward

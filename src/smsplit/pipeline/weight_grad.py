@@ -74,7 +74,8 @@ class _LinearFunction(torch.autograd.Function):
 
         if WeightGradStore.enabled and (need_w or need_b):
             def deferred():
-                gw, gb = weight_grads()
+                with torch.no_grad():  # W runs outside autograd's backward: build no graph
+                    gw, gb = weight_grads()
                 if gw is not None:
                     _accumulate(param_w, gw)
                 if gb is not None:
