@@ -93,11 +93,6 @@ def worker(rank, world, port, args, queue):
             x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=layout))
         transport.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout)
         row["combine_ms"] = timed(lambda: transport.combine(y, None, layout))
-        for fraction in args.remote_fractions:
-            transport.remote_fraction = fraction
-            row[f"dispatch_bf16_cached_ms_remote_{fraction}"] = timed(lambda: transport.dispatch(
-                x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout))
-        transport.remote_fraction = 0.5
         transport.raise_if_failed()
         for key in list(row):
             if key.endswith("_ms"):
@@ -106,9 +101,7 @@ def worker(rank, world, port, args, queue):
         if rank == 0:
             print(f"P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
                   f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us, "
-                  f"combine {row['combine_ms'] * 1e3:7.1f} us; remote share "
-                  + ", ".join(f"{f}: {row[f'dispatch_bf16_cached_ms_remote_{f}'] * 1e3:.0f} us" for f in args.remote_fractions),
-                  flush=True)
+                  f"combine {row['combine_ms'] * 1e3:7.1f} us", flush=True)
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -197,8 +190,6 @@ def main():
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
     parser.add_argument("--concurrent-sms", type=int, nargs="+", default=[20])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--remote-fractions", type=float, nargs="*", default=[0.375, 0.625, 0.75],
-                        help="extra BF16 dispatch timings with this share of programs writing over NVLink")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     ctx = mp.get_context("spawn")

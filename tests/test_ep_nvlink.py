@@ -18,7 +18,7 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
             "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "timeout_ns": "i64", "remote_programs": "i32", "X_BYTES": "constexpr",
+            "sig_off": "i64", "timeout_ns": "i64", "X_BYTES": "constexpr",
             "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",

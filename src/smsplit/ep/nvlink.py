@@ -141,26 +141,20 @@ def _pick(values, cols, d):
 @triton.jit
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
-                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns, remote_programs,
+                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
-    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
-
-    The first ``remote_programs`` programs write to the other ranks (over NVLink), the rest to this
-    rank's own buffer: a program whose NVLink stores are held back by a saturated link would
-    otherwise hold back its local stores too."""
+    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
+    pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    is_remote = tl.program_id(0) < remote_programs
-    pid = tl.where(is_remote, tl.program_id(0), tl.program_id(0) - remote_programs)
-    group = tl.where(is_remote, remote_programs, programs - remote_programs)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
@@ -173,7 +167,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     gmask = grp < n_groups
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
-    for t0 in range(pid * TB, T, group * TB):
+    for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         tmask = t < T
         t64 = t.to(tl.int64)[:, None]
@@ -196,7 +190,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
         for d in range(R):
             p = _column(pos, cols, d)
-            ok = ((p >= 0) & ((d != rank) == is_remote))[:, None]
+            ok = (p >= 0)[:, None]
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
             if QUANTIZE:
@@ -387,12 +381,10 @@ class NvlinkTransport:
         if self.num_ranks > 16:
             raise ValueError(f"the NVLink transport handles up to 16 ranks, the group has {self.num_ranks}")
         self.device = torch.device(device)
-        if num_sms < (2 if self.num_ranks > 1 else 1):
-            raise ValueError(f"num_sms must be at least 2 with {self.num_ranks} ranks (programs writing to "
-                             f"peers and to this rank are separate), got {num_sms}")
+        if num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1, got {num_sms}")
         self.num_sms = num_sms
         self.tokens_per_step = 4
-        self.remote_fraction = 0.5  # of the dispatch programs, those that write over NVLink
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -441,11 +433,6 @@ class NvlinkTransport:
         name = PHASES[phase - 1]
         what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
         raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
-
-    def _remote_programs(self) -> int:
-        if self.num_ranks == 1:
-            return 0
-        return min(self.num_sms - 1, max(1, round(self.num_sms * self.remote_fraction)))
 
     def _status_addr(self) -> int:
         return self.status.data_ptr()
@@ -514,7 +501,7 @@ class NvlinkTransport:
             topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state, self._status_addr(),
             T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
             self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
-            self.offsets["src"], self.offsets["signals"], self.timeout_ns, self._remote_programs(),
+            self.offsets["src"], self.offsets["signals"], self.timeout_ns,
             X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
             KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
