@@ -15,7 +15,8 @@ class WeightGradStore:
     While `enabled` is True, layers that support it (such as `Linear`) compute only input
     gradients in backward and `put` a closure that computes and accumulates their weight
     gradients. The pipeline schedule calls `flush` after such a backward, which makes the closures
-    of that backward one queue entry, and `pop` in a later "W" op, which runs the oldest entry.
+    of that backward one queue entry, and `pop` in a later "W" op, which runs the oldest entry
+    under torch.no_grad() (closures called some other way should do the same).
     """
 
     enabled: bool = False
@@ -33,10 +34,12 @@ class WeightGradStore:
 
     @classmethod
     def pop(cls) -> None:
+        """Run the oldest entry's closures, without building autograd graphs."""
         if not cls.queue:
             raise RuntimeError("WeightGradStore.pop: no deferred weight gradients are queued")
-        for fn in cls.queue.popleft():
-            fn()
+        with torch.no_grad():
+            for fn in cls.queue.popleft():
+                fn()
 
     @classmethod
     def clear(cls) -> None:
