@@ -138,9 +138,11 @@ if triton is not None:
         offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-        x_fp8 = (x * (448.0 / amax)[:, None]).to(tl.float8e4nv)
+        # IEEE divisions (Triton's `/` on fp32 is approximate): bit-identical to the torch reference
+        x_fp8 = (x * tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)[:, None]).to(tl.float8e4nv)
         tl.store(x_fp8_ptr + offsets, x_fp8, mask=row_ok[:, None])
-        tl.store(scales_ptr + rows.to(tl.int64) * (hidden // TILE) + tile, amax / 448.0, mask=row_ok)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        tl.store(scales_ptr + rows.to(tl.int64) * (hidden // TILE) + tile, scale, mask=row_ok)
 
 
 QUANTIZE_BLOCK_ROWS = 16
