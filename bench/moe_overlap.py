@@ -62,7 +62,9 @@ class Case:
                           inter_dim=shape["inter_dim"], n_experts=shape["n_experts"], topk=shape["topk"],
                           n_groups=shape["n_groups"], topk_groups=shape["topk_groups"],
                           route_scale=shape["route_scale"], seq_len=shape["seq_len"])
-        self.block = Stage(cfg, [0], ep_rank=rank, ep_size=world, seed=1).to(device=device, dtype=dtype)
+        torch.manual_seed(1 + rank)
+        with torch.device(device):  # default init, drawn on the device: full-width experts are 45 GB in fp32
+            self.block = Stage(cfg, [0], ep_rank=rank, ep_size=world, seed=None).to(dtype=dtype)
         moe = self.block.blocks[0].moe
         moe.router.to(torch.float32)
         moe.router.bias = moe.router.bias.float()
@@ -125,6 +127,13 @@ def _measure(case, runner, iters, warmup):
     return out
 
 
+def _buffer(Buffer, shape, world, budget, transport, timeout_s):
+    # sized for the largest message: the backward's BF16 gradients with top-k weights (not FP8)
+    nbytes = Buffer.get_buffer_size_hint(shape["tokens"], shape["dim"], world, shape["topk"],
+                                         x_dtype=torch.bfloat16, fp8=False)
+    return Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, budget=budget, backend=transport, timeout_s=timeout_s)
+
+
 def _worker(rank, world, port, args):
     from smsplit.ep import Buffer
 
@@ -157,7 +166,7 @@ def _worker(rank, world, port, args):
                     except SmBudgetError:
                         budget = SmBudget(comm_sms, device=device, mode="grid")
                     row.update(granted_comm_sms=budget.comm_sms, mode=budget.mode)
-                buffer = Buffer(dist.group.WORLD, budget=budget, backend=transport, timeout_s=args.timeout_s)
+                buffer = _buffer(Buffer, shape, world, budget, transport, args.timeout_s)
                 runner = PieceRunner(budget.comm_stream if budget else None,
                                      budget.compute_stream if budget else None, record=True)
                 case.set_split(buffer, runner)
@@ -188,7 +197,7 @@ def _worker(rank, world, port, args):
                         budget = SmBudget(split[1], device=device, mode="green")
                     except SmBudgetError:
                         budget = SmBudget(split[1], device=device, mode="grid")
-                    buffer = Buffer(dist.group.WORLD, budget=budget, backend=split[0], timeout_s=args.timeout_s)
+                    buffer = _buffer(Buffer, shape, world, budget, split[0], args.timeout_s)
                     state.update(split=split, budget=budget,
                                  runner=PieceRunner(budget.comm_stream, budget.compute_stream, record=True))
                     case.set_split(buffer, state["runner"])

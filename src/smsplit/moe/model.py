@@ -128,13 +128,16 @@ class Stage(nn.Module):
         embedding: the embedding to tie the head to (the first stage's, when both live on one rank);
             a last stage without one makes its own.
         ep_rank, ep_size: place in the expert-parallel group.
-        seed: weights are a function of (seed, layer id) only: the same on every rank, device and EP size.
+        seed: weights are a function of (seed, layer id) only: the same on every rank, device and EP size
+            (drawn on the CPU at full expert count). None keeps PyTorch's default initialisation, drawn where
+            the module is built (``with torch.device("cuda"): ...``), for benchmarks at full width.
 
     ``runner`` (a `PieceRunner`) decides streams and timing; set it with ``stage.runner = ...``.
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids, first: bool = False, last: bool = False,
-                 embedding: nn.Embedding | None = None, ep_rank: int = 0, ep_size: int = 1, seed: int = 0):
+                 embedding: nn.Embedding | None = None, ep_rank: int = 0, ep_size: int = 1,
+                 seed: int | None = 0):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.layer_ids = list(layer_ids)
@@ -142,13 +145,14 @@ class Stage(nn.Module):
         if (first or last) and embedding is None:
             embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
             with torch.no_grad():
-                embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=torch.Generator()
-                                                   .manual_seed(seed)) * cfg.dim ** -0.5)
+                gen = torch.Generator().manual_seed(seed or 0)
+                embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=gen) * cfg.dim ** -0.5)
         self.embedding = embedding if first else None
         self.head_weight = embedding.weight if last else None  # tied
         self.norm = RMSNorm(cfg.dim) if last else None
-        for layer, block in zip(self.layer_ids, self.blocks):
-            _init_block_(block, seed * 1_000_003 + layer + 1)
+        if seed is not None:
+            for layer, block in zip(self.layer_ids, self.blocks):
+                _init_block_(block, seed * 1_000_003 + layer + 1)
         self.runner = INLINE
 
     def _embed(self, ids):

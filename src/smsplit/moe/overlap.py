@@ -192,8 +192,7 @@ class Tape:
             cut.append(value)
 
         def call():
-            with torch.enable_grad():
-                out = fn(*cut)
+            out = fn(*cut)
             return out if isinstance(out, tuple) else (out,)
 
         out = runner.run(kind, name, self, call, _tensors(state))
@@ -315,7 +314,10 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
         runner.sync_in(b_tape)
     queue = list(f_pieces)
     own_store = not WeightGradStore.enabled  # else the caller defers W to its own "W" op
-    pending_w: list[Callable] = []
+    # Deferred weight gradients of B: (closures, the B event they follow). They run on the compute stream
+    # after that event without holding up B's chain, so B's next communication does not wait for them.
+    pending_w: list[tuple[list[Callable], object]] = []
+    w_chain = Tape()
 
     def run_forward():
         nonlocal state
@@ -330,15 +332,21 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
         WeightGradStore.enabled, WeightGradStore.cache = True, []
         try:
             b_tape.backward_piece(runner)
-            pending_w.extend(WeightGradStore.cache)
+            if WeightGradStore.cache:
+                pending_w.append((WeightGradStore.cache, b_tape.event))
         finally:
             WeightGradStore.enabled, WeightGradStore.cache = False, saved
 
+    def run_w(items):
+        for fns, after in items:
+            if runner.on_streams and after is not None:
+                runner.streams[COMPUTE].wait_event(after)
+            runner.run(COMPUTE, "W", w_chain, lambda fns=fns: [fn() for fn in fns])
+
     def run_pending_w():
-        if pending_w:
-            fns = pending_w.copy()
-            pending_w.clear()
-            runner.run(COMPUTE, "W", b_tape, lambda: [fn() for fn in fns])
+        items = pending_w.copy()
+        pending_w.clear()
+        run_w(items)
 
     while queue or (b_tape is not None and b_tape.pieces):
         f_kind = queue[0][0] if queue else None
@@ -348,11 +356,10 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
             run_pending_w()
             run_backward()
         elif f_kind == COMM and b_kind == COMPUTE:
-            w_before = list(pending_w)
+            w_before = pending_w.copy()
             pending_w.clear()
             run_backward()  # its W waits for the next compute slot; older W fill this one
-            if w_before:
-                runner.run(COMPUTE, "W", b_tape, lambda: [fn() for fn in w_before])
+            run_w(w_before)
             run_forward()
         else:  # same kind (or one side done): run them one after the other
             if f_kind is not None:
@@ -361,6 +368,7 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
                 run_backward()
     if b_tape is not None:
         run_pending_w()
+        runner.sync_out(w_chain)
     runner.sync_out(f_tape, state)
     return f_tape, state
 

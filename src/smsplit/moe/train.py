@@ -90,12 +90,17 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     ep_group, pp_group = ep_groups[pp_rank], pp_groups[ep_rank]
     device = torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
 
+    chunks, batch = opts["chunks"], opts["batch"]
     budget = _budget(opts["comm_sms"], device) if device.type == "cuda" else None
     runner = PieceRunner(budget.comm_stream if budget else None, budget.compute_stream if budget else None,
                          record=True)
     m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=opts["seed"])
     m0.to(device), m1.to(device)
-    buffer = Buffer(ep_group, budget=budget, timeout_s=opts["timeout_s"]) if ep > 1 else None
+    buffer = None
+    if ep > 1:  # sized for the largest message: the backward's gradients with top-k weights
+        nbytes = Buffer.get_buffer_size_hint(batch // chunks * cfg.seq_len, cfg.dim, ep, cfg.topk,
+                                             x_dtype=torch.float32, fp8=False)
+        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, timeout_s=opts["timeout_s"])
     for stage in (m0, m1):
         stage.runner = runner
         for block in stage.blocks:
@@ -107,7 +112,6 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     optimizer = torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     routers = [b.moe.router for m in (m0, m1) for b in m.blocks]
 
-    chunks, batch = opts["chunks"], opts["batch"]
     scale = 1.0 / (chunks * ep)  # the step's loss is the mean over every token of every EP rank
 
     def criterion(logits, labels):
