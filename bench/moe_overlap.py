@@ -127,10 +127,10 @@ def _measure(case, runner, iters, warmup):
     return out
 
 
-def _buffer(Buffer, shape, world, budget, transport, timeout_s):
-    # sized for the largest message: the backward's BF16 gradients with top-k weights (not FP8)
-    nbytes = Buffer.get_buffer_size_hint(shape["tokens"], shape["dim"], world, shape["topk"],
-                                         x_dtype=torch.bfloat16, fp8=False)
+def _buffer(Buffer, shape, world, budget, transport, timeout_s, dtype):
+    # sized for the largest message: the backward's gradients (activation dtype) with top-k weights
+    nbytes = Buffer.get_buffer_size_hint(shape["tokens"], shape["dim"], world, shape["topk"], x_dtype=dtype,
+                                         fp8=False, combine_dtype=dtype)
     return Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, budget=budget, backend=transport, timeout_s=timeout_s)
 
 
@@ -166,7 +166,7 @@ def _worker(rank, world, port, args):
                     except SmBudgetError:
                         budget = SmBudget(comm_sms, device=device, mode="grid")
                     row.update(granted_comm_sms=budget.comm_sms, mode=budget.mode)
-                buffer = _buffer(Buffer, shape, world, budget, transport, args.timeout_s)
+                buffer = _buffer(Buffer, shape, world, budget, transport, args.timeout_s, dtype)
                 runner = PieceRunner(budget.comm_stream if budget else None,
                                      budget.compute_stream if budget else None, record=True)
                 case.set_split(buffer, runner)
@@ -197,7 +197,7 @@ def _worker(rank, world, port, args):
                         budget = SmBudget(split[1], device=device, mode="green")
                     except SmBudgetError:
                         budget = SmBudget(split[1], device=device, mode="grid")
-                    buffer = _buffer(Buffer, shape, world, budget, split[0], args.timeout_s)
+                    buffer = _buffer(Buffer, shape, world, budget, split[0], args.timeout_s, dtype)
                     state.update(split=split, budget=budget,
                                  runner=PieceRunner(budget.comm_stream, budget.compute_stream, record=True))
                     case.set_split(buffer, state["runner"])

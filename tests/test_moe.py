@@ -231,12 +231,16 @@ def test_moe_expert_parallel_two_ranks_matches_single_process(tmp_path):
 # --- overlapped forward/backward ------------------------------------------------------------------------
 
 
-def _fb_grads(cfg, ids, fb, rank=0, world=1, buffer=None, runner=None):
+def _fb_grads(cfg, ids, fb, rank=0, world=1, buffer=None, runner=None, device="cpu"):
     """Chunk 0 through both stages; then F(chunk 1, module 0) with B(chunk 0, module 1) through ``fb``;
     then the rest serially. Returns every parameter gradient."""
     torch.manual_seed(0)
     m0, m1 = build_stages(cfg, ep_rank=rank, ep_size=world, seed=5)
+    ids = ids.to(device)
     for m in (m0, m1):
+        m.to(device)
+        if runner is not None:
+            m.runner = runner
         for b in m.blocks:
             b.moe.buffer = buffer
 
@@ -289,3 +293,20 @@ def test_overlapped_forward_backward_defers_weight_grads_when_pipeline_asks():
     WeightGradStore.pop()
     assert expert_w.grad is not None and expert_w.grad.abs().sum() > 0
     WeightGradStore.clear()
+
+
+@pytest.mark.gpu
+def test_overlap_on_sm_budget_streams_matches_serial_on_gpu():
+    from smsplit.budget import SmBudget
+
+    cfg = ModelConfig(fp8_dispatch=False)
+    ids = torch.randint(0, cfg.vocab_size, (3, 2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(6))
+    serial = _fb_grads(cfg, ids, serial_forward_backward, device="cuda")
+    with SmBudget(16, mode="grid") as budget:
+        runner = PieceRunner(budget.comm_stream, budget.compute_stream, record=True)
+        overlapped = _fb_grads(cfg, ids, overlapped_forward_backward, runner=runner, device="cuda")
+        shares = runner.exposed_comm()
+    for name in serial:
+        torch.testing.assert_close(overlapped[name], serial[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert shares["step_s"] > 0 and 0 <= shares["exposed_fraction"] <= 1
+    assert shares["comm_s"] > 0 and shares["compute_s"] > 0

@@ -99,7 +99,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     buffer = None
     if ep > 1:  # sized for the largest message: the backward's gradients with top-k weights
         nbytes = Buffer.get_buffer_size_hint(batch // chunks * cfg.seq_len, cfg.dim, ep, cfg.topk,
-                                             x_dtype=torch.float32, fp8=False)
+                                             x_dtype=torch.float32, fp8=False, combine_dtype=torch.float32)
         buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, timeout_s=opts["timeout_s"])
     for stage in (m0, m1):
         stage.runner = runner
