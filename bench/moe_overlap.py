@@ -180,52 +180,9 @@ def _worker(rank, world, port, args):
             if rank == 0:
                 print(_format_row(row), flush=True)
 
-        best = None
-        if on_gpu:
-            from smsplit.autotune import autotune_split
-
-            ok = [(r["transport"], r["comm_sms"]) for r in rows if "error" not in r]
-            state = {}
-
-            def overlapped_step(split):
-                if state.get("split") != split:
-                    if state.get("budget") is not None:
-                        state["budget"].close()
-                    from smsplit.budget import SmBudget, SmBudgetError
-
-                    try:
-                        budget = SmBudget(split[1], device=device, mode="green")
-                    except SmBudgetError:
-                        budget = SmBudget(split[1], device=device, mode="grid")
-                    buffer = _buffer(Buffer, shape, world, budget, split[0], args.timeout_s, dtype)
-                    state.update(split=split, budget=budget,
-                                 runner=PieceRunner(budget.comm_stream, budget.compute_stream, record=True))
-                    case.set_split(buffer, state["runner"])
-                case.step(overlapped_forward_backward, state["runner"])
-
-            if ok:
-                best, table = autotune_split(overlapped_step, ok, warmup=1, iters=args.iters, group=dist.group.WORLD)
-                best = dict(transport=best[0], comm_sms=best[1],
-                            autotune=[dict(split=list(r["candidate"]), ms=r["ms"], error=r["error"]) for r in table])
-                if args.trace:
-                    from smsplit.trace import Trace
-
-                    split = (best["transport"], best["comm_sms"])
-                    overlapped_step(split)
-                    runner = state["runner"]
-                    runner.trace = trace = Trace(device)
-                    case.step(overlapped_forward_backward, runner)
-                    runner.trace = None
-                    if rank == 0:
-                        FIGURES.mkdir(parents=True, exist_ok=True)
-                        title = f"MoE block F&B overlapped, {split[0]}, {state['budget']!r}"
-                        trace.save_png(FIGURES / "moe_overlap_trace.png", title=title,
-                                       num_sms=state["budget"].total_sms)
-                        trace.save_chrome(FIGURES / "moe_overlap_trace.json")
-                if state.get("budget") is not None:
-                    state["budget"].close()
-
-        if rank == 0:
+        def write(best):
+            if rank != 0:
+                return
             valid = [r for r in rows if "error" not in r]
             payload = dict(
                 environment(), benchmark="moe_overlap", smoke=args.smoke, world=world, shape=shape,
@@ -238,9 +195,65 @@ def _worker(rank, world, port, args):
                                                      default=None),
                 targets=dict(speedup=">= 1.3", exposed_fraction="< 0.05"))
             path = write_result("moe_overlap_smoke" if args.smoke else "moe_overlap", payload)
-            print(f"wrote {path}")
+            print(f"wrote {path}", flush=True)
+
+        write(None)  # the measured rows are kept even if tuning or tracing fails below
+        ok = [(r["transport"], r["comm_sms"]) for r in rows if "error" not in r]
+        if on_gpu and ok:
+            state = {}
+            try:
+                best = _tune_and_trace(case, ok, state, args, shape, world, device, dtype, rank)
+            except Exception as e:  # noqa: BLE001
+                best = dict(error=f"{type(e).__name__}: {e}")
+            finally:
+                if state.get("budget") is not None:
+                    state["budget"].close()
+            if rank == 0:
+                print(f"autotuned best split: {best}", flush=True)
+            write(best)
     finally:
         dist.destroy_process_group()
+
+
+def _tune_and_trace(case, splits, state, args, shape, world, device, dtype, rank):
+    """Pick the fastest (transport, comm SMs) of ``splits`` for the overlapped step with `autotune_split`;
+    with ``--trace`` draw an SM trace of one overlapped step at that split."""
+    from smsplit.autotune import autotune_split
+    from smsplit.budget import SmBudget, SmBudgetError
+    from smsplit.ep import Buffer
+
+    def overlapped_step(split):
+        if state.get("split") != split:
+            if state.get("budget") is not None:
+                state["budget"].close()
+            try:
+                budget = SmBudget(split[1], device=device, mode="green")
+            except SmBudgetError:
+                budget = SmBudget(split[1], device=device, mode="grid")
+            buffer = _buffer(Buffer, shape, world, budget, split[0], args.timeout_s, dtype)
+            state.update(split=split, budget=budget,
+                         runner=PieceRunner(budget.comm_stream, budget.compute_stream, record=True))
+            case.set_split(buffer, state["runner"])
+        case.step(overlapped_forward_backward, state["runner"])
+
+    choice, table = autotune_split(overlapped_step, splits, warmup=1, iters=args.iters, group=dist.group.WORLD)
+    best = dict(transport=choice[0], comm_sms=choice[1],
+                autotune=[dict(split=list(r["candidate"]), ms=r["ms"], error=r["error"]) for r in table])
+    if args.trace:
+        from smsplit.trace import Trace
+
+        overlapped_step(choice)
+        runner = state["runner"]
+        runner.trace = trace = Trace(device)
+        case.step(overlapped_forward_backward, runner)
+        runner.trace = None
+        if rank == 0:
+            FIGURES.mkdir(parents=True, exist_ok=True)
+            title = f"MoE block F&B overlapped, {choice[0]}, {state['budget']!r}"
+            trace.save_png(FIGURES / "moe_overlap_trace.png", title=title, num_sms=state["budget"].total_sms)
+            trace.save_chrome(FIGURES / "moe_overlap_trace.json")
+            best["trace"] = "bench/figures/moe_overlap_trace.png"
+    return best
 
 
 def _format_row(row) -> str:
@@ -262,9 +275,9 @@ def main(argv=None):
                         help=f"EP transports (Buffer backends); this build has {BACKENDS}")
     parser.add_argument("--experts", type=int, default=0, help="routed experts (default 256; shrink only for memory)")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trace", action="store_true", help="write an SM trace of one overlapped step (GPU)")
-    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="bound on every wait for the peer")
     args = parser.parse_args(argv)
     world = 2
     if not args.smoke and torch.cuda.device_count() < world:

@@ -1,6 +1,5 @@
 """MoE router, grouped GEMM, MoE layer (single process and EP over 2 gloo ranks) and overlapped F&B."""
 
-import copy
 import datetime
 import os
 import socket

@@ -341,7 +341,7 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
         for fns, after in items:
             if runner.on_streams and after is not None:
                 runner.streams[COMPUTE].wait_event(after)
-            runner.run(COMPUTE, "W", w_chain, lambda fns=fns: [fn() for fn in fns])
+            runner.run(COMPUTE, "W", w_chain, lambda fns=fns: _run_closures(fns))
 
     def run_pending_w():
         items = pending_w.copy()
@@ -371,6 +371,12 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
         runner.sync_out(w_chain)
     runner.sync_out(f_tape, state)
     return f_tape, state
+
+
+def _run_closures(fns: list[Callable]) -> None:
+    with torch.no_grad():  # as WeightGradStore.pop
+        for fn in fns:
+            fn()
 
 
 def overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1,

@@ -127,7 +127,8 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
                 torch.cuda.synchronize()
             timing["t0"] = time.perf_counter()
             if op.kind == "FB" and trace_state["want"]:
-                runner.intervals.clear()
+                trace_state["before"] = runner.intervals
+                runner.intervals = []
                 if budget is not None:
                     from smsplit.trace import Trace
 
@@ -144,6 +145,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
             trace_state["want"] = False
             runner.trace = None
             trace_state["intervals"] = runner.exposed_comm() | {"pieces": _piece_rows(runner)}
+            runner.intervals = trace_state.pop("before") + runner.intervals
 
     pipe.op_hook = op_hook
     is_reporter = rank == 0
