@@ -118,34 +118,43 @@ class MLP(nn.Module):
 
 
 def run_experts(experts: GroupedExperts, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
-                recv_topk_weights: torch.Tensor, alignment: int = 1) -> torch.Tensor:
+                recv_topk_weights: torch.Tensor, counts: list[int] | None = None, alignment: int = 1) -> torch.Tensor:
     """For each received row, the sum over its local experts ``e`` (``recv_topk_idx >= 0``) of
     ``weight * expert_e(row)``; ``[rows, dim]`` in ``recv_x``'s dtype, zero for rows with no local expert.
 
-    Token-expert pairs are sorted by expert and each expert's group padded with zero rows to a multiple
-    of ``alignment`` (``torch._grouped_mm`` wants aligned groups on some GPUs)."""
-    rows = recv_x.size(0)
-    valid = recv_topk_idx >= 0
-    pair_expert = recv_topk_idx[valid]
-    pair_row = torch.arange(rows, device=recv_x.device).unsqueeze(1).expand_as(recv_topk_idx)[valid]
-    pair_weight = recv_topk_weights[valid]
-    order = torch.argsort(pair_expert, stable=True)
-    pair_expert, pair_row, pair_weight = pair_expert[order], pair_row[order], pair_weight[order]
-    counts = torch.bincount(pair_expert, minlength=experts.num_experts)
-    if alignment > 1:
-        padded = (counts + alignment - 1) // alignment * alignment
-        padded_start = torch.cumsum(padded, 0) - padded
-        start = torch.cumsum(counts, 0) - counts
-        slot = padded_start[pair_expert] + torch.arange(pair_expert.numel(), device=recv_x.device) - start[pair_expert]
-        total = int(padded.sum())
-        x_sorted = recv_x.new_zeros(total, recv_x.size(1)).index_copy(0, slot, recv_x[pair_row])
-        offs = torch.cumsum(padded, 0).to(torch.int32)
+    ``counts``: token-expert pairs per local expert as a host list (what `Buffer.dispatch` returns as
+    ``num_recv_tokens_per_expert_list``); with it nothing here waits for the GPU. None counts them (a sync).
+    Pairs are sorted by expert and each expert's group padded with zero rows to a multiple of ``alignment``
+    (``torch._grouped_mm`` wants aligned groups on some GPUs)."""
+    rows, topk = recv_topk_idx.shape
+    n_experts, device = experts.num_experts, recv_x.device
+    key = torch.where(recv_topk_idx >= 0, recv_topk_idx, n_experts).flatten()  # no expert: sorted last
+    if counts is None:
+        counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts].tolist()
+    n_pairs = sum(counts)
+    order = torch.argsort(key, stable=True)[:n_pairs]
+    pair_row = order // topk
+    pair_weight = recv_topk_weights.flatten()[order]
+    padded = [-(-c // alignment) * alignment for c in counts]
+    offs = _host_to_device(torch.tensor(padded).cumsum(0).to(torch.int32), device)
+    x_pairs = recv_x[pair_row]
+    if alignment > 1 and padded != counts:
+        pair_expert = key[order]
+        start = _host_to_device(torch.tensor(counts).cumsum(0) - torch.tensor(counts), device)
+        padded_start = _host_to_device(torch.tensor(padded).cumsum(0) - torch.tensor(padded), device)
+        slot = padded_start[pair_expert] + torch.arange(n_pairs, device=device) - start[pair_expert]
+        x_sorted = recv_x.new_zeros(sum(padded), recv_x.size(1)).index_copy(0, slot, x_pairs)
         y_pairs = experts(x_sorted, offs)[slot]
     else:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        y_pairs = experts(recv_x[pair_row], offs)
+        y_pairs = experts(x_pairs, offs)
     y_pairs = y_pairs * pair_weight.to(y_pairs.dtype).unsqueeze(1)
     return recv_x.new_zeros(rows, recv_x.size(1)).index_add(0, pair_row, y_pairs)
+
+
+def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -157,6 +166,7 @@ class Dispatched:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     handle: object
+    counts: list[int] | None = None  # token-expert pairs per local expert (host), if known
 
 
 class MoE(nn.Module):
@@ -202,17 +212,17 @@ class MoE(nn.Module):
         if self.buffer is None:
             if self.ep_size != 1:
                 raise RuntimeError(f"ep_size={self.ep_size}: set moe.buffer to an smsplit.ep.Buffer first")
-            return Dispatched(x, topk_idx, topk_weights, None)
+            return Dispatched(x, topk_idx, topk_weights, None, None)
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.n_experts)
-        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
+        recv_x, recv_idx, recv_w, counts, handle, _ = self.buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, fp8=self.fp8_dispatch, dequantize=self.fp8_dispatch)
-        return Dispatched(recv_x, recv_idx, recv_w, handle)
+        return Dispatched(recv_x, recv_idx, recv_w, handle, counts)
 
     def compute(self, x: torch.Tensor, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Routed experts on the received rows, and the shared expert on this rank's tokens ``x``."""
         rows = run_experts(self.experts, dispatched.x, dispatched.topk_idx, dispatched.topk_weights,
-                           self.expert_alignment)
+                           dispatched.counts, self.expert_alignment)
         return rows, (self.shared(x) if self.shared is not None else None)
 
     def combine(self, rows: torch.Tensor, handle) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smsplit.moe import overlap
-from smsplit.moe.layer import MoE, init_moe_
+from smsplit.moe.layer import Dispatched, MoE, init_moe_
 from smsplit.moe.overlap import COMM, COMPUTE, INLINE, run_taped
 from smsplit.pipeline.weight_grad import Linear
 
@@ -92,12 +92,10 @@ class Block(nn.Module):
 
     def dispatch(self, h, x, weights, idx):
         d = self.moe.dispatch(x, weights, idx)
-        return h, x, d.x, d.topk_idx, d.topk_weights, d.handle
+        return h, x, d.x, d.topk_idx, d.topk_weights, d.handle, d.counts
 
-    def experts(self, h, x, recv_x, recv_idx, recv_weights, handle):
-        from smsplit.moe.layer import Dispatched
-
-        rows, shared = self.moe.compute(x, Dispatched(recv_x, recv_idx, recv_weights, handle))
+    def experts(self, h, x, recv_x, recv_idx, recv_weights, handle, counts):
+        rows, shared = self.moe.compute(x, Dispatched(recv_x, recv_idx, recv_weights, handle, counts))
         return h, rows, shared, handle
 
     def combine(self, h, rows, shared, handle):
