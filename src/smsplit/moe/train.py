@@ -177,6 +177,9 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         exposed.append(shares["exposed_fraction"])
         if progress is not None:
             progress[0].update(progress[1], advance=1, loss=losses[-1], tps=rates[-1], exposed=100 * exposed[-1])
+            if not progress[0].console.is_terminal and (step + 1) % max(1, opts["steps"] // 10) == 0:
+                progress[0].console.print(f"step {step + 1}/{opts['steps']}: loss {losses[-1]:.3f}, "
+                                          f"{rates[-1]:,.0f} tok/s, exposed comm {100 * exposed[-1]:.1f}%")
     wall = time.perf_counter() - start_all
     if progress is not None:
         progress[0].stop()
