@@ -46,6 +46,8 @@ def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: 
             out = torch._grouped_mm(a, b, offs=offs)
             GROUPED_MM_PATH[key] = "torch._grouped_mm"
             return out
+        except torch.cuda.OutOfMemoryError:
+            raise
         except (RuntimeError, NotImplementedError):
             if path == "torch._grouped_mm":  # it worked before for this key: a real error
                 raise
