@@ -74,7 +74,7 @@ class Router(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
         if self.training:
             with torch.no_grad():
-                self.load.index_add_(0, topk_idx.flatten(), torch.ones(topk_idx.numel(), device=x.device))
+                self.load.index_add_(0, topk_idx.flatten(), torch.ones(topk_idx.numel(), dtype=self.load.dtype, device=x.device))
         return weights, topk_idx
 
     @torch.no_grad()
