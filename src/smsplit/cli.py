@@ -1,4 +1,4 @@
-"""`smsplit` command line: info, demo."""
+"""`smsplit` command line: demo (the main job), trace, info."""
 
 from __future__ import annotations
 
@@ -12,9 +12,17 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="GPUs, SMs, NVLink peers, green-context support, versions")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p_demo = sub.add_parser("demo", help="the main job: show the SM split at work (CPU-only machines too)")
+    p_demo = sub.add_parser("demo", help="the main job: train a tiny DeepSeek-style MoE model with expert "
+                            "parallelism and DualPipeV (2 gloo processes on CPU, NCCL on 2+ GPUs)")
     p_demo.add_argument("--out", default="smsplit-report", help="report folder (default: smsplit-report)")
-    p_demo.add_argument("--comm-sms", type=int, default=20, help="SMs asked for communication (default 20)")
+    p_demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    p_demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda when 2 GPUs are present, else cpu")
+    p_demo.add_argument("--comm-sms", type=int, default=20, help="SMs asked for communication on GPU (default 20)")
+    p_demo.add_argument("--seed", type=int, default=0)
+    p_trace = sub.add_parser("trace", help="show the SM split: a comm kernel beside a GEMM, traced per SM (GPU)")
+    p_trace.add_argument("--out", default="smsplit-report/trace", help="report folder")
+    p_trace.add_argument("--comm-sms", type=int, default=20, help="SMs asked for communication (default 20)")
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -23,6 +31,10 @@ def main(argv=None) -> int:
         machine = info.collect()
         print(json.dumps(machine, indent=1) if args.json else info.render(machine))
     elif args.command == "demo":
+        from smsplit.moe.train import run_demo
+
+        run_demo(out_dir=args.out, steps=args.steps, device=args.device, comm_sms=args.comm_sms, seed=args.seed)
+    elif args.command == "trace":
         from smsplit import demo
 
         demo.run(out=args.out, comm_sms=args.comm_sms)

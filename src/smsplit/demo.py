@@ -1,8 +1,9 @@
-"""`smsplit demo`: the SM split made visible.
+"""`smsplit trace`: the SM split made visible.
 
 On a GPU: give communication 20 SMs (green contexts, or grid mode where the driver has none), run
 a bandwidth-bound comm kernel beside a cuBLAS GEMM, and write an SM-by-time trace of where every
 block ran. On a CPU-only machine: print what this machine offers and what a GPU run would show.
+(`smsplit demo`, the main job, trains the MoE model: `smsplit.moe.train.run_demo`.)
 """
 
 from __future__ import annotations
