@@ -159,16 +159,21 @@ class _GreenPartition:
                 )
                 self.streams.append(stream)
         except Exception:
-            self.close()
+            for stream in self.streams:
+                driver.cuStreamDestroy(stream)
+            for ctx in self.contexts:
+                driver.cuGreenCtxDestroy(ctx)
             raise
 
-    def close(self):
+    def synchronize(self):
         for stream in self.streams:
             self.driver.cuStreamSynchronize(stream)
-            self.driver.cuStreamDestroy(stream)
-        for ctx in self.contexts:
-            self.driver.cuGreenCtxDestroy(ctx)
-        self.streams, self.contexts = [], []
+
+
+# Green contexts and their streams are never destroyed before the process ends: a tensor used on a
+# budget's stream (record_stream) may be freed after the budget closes, and the caching allocator
+# then records an event on that stream, which must still exist.
+_RETIRED_PARTITIONS: list = []
 
 
 class SmBudget:
@@ -235,12 +240,15 @@ class SmBudget:
             raise RuntimeError("this SmBudget was closed; make a new one")
 
     def close(self):
-        """Wait for both streams and release the green contexts. Idempotent."""
+        """Wait for both streams and retire the budget: its streams may no longer be used. (The
+        green contexts themselves live until the process ends; see ``_RETIRED_PARTITIONS``.)
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._partition is not None:
-            self._partition.close()
+            self._partition.synchronize()
+            _RETIRED_PARTITIONS.append(self._partition)
         else:
             self._comm_stream.synchronize()
             self._compute_stream.synchronize()

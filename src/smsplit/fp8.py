@@ -43,8 +43,12 @@ def quantize_1x128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_1x128_input(x)
     tiles = x.float().unflatten(-1, (x.size(-1) // BLOCK, BLOCK))
     amax = tiles.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR)
-    x_fp8 = (tiles * (FP8_MAX / amax)).to(FP8_DTYPE).flatten(-2)
-    return x_fp8, (amax / FP8_MAX).squeeze(-1)
+    # tensor / tensor divisions: IEEE-rounded on every device (torch turns `scalar / t` into
+    # `t.reciprocal() * scalar` and `t / scalar` into a multiplication), so the Triton kernels can
+    # reproduce this bit for bit
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    x_fp8 = (tiles * torch.div(fp8_max, amax)).to(FP8_DTYPE).flatten(-2)
+    return x_fp8, torch.div(amax, fp8_max).squeeze(-1)
 
 
 def dequantize_1x128(x_fp8: torch.Tensor, scales: torch.Tensor,
