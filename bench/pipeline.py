@@ -206,6 +206,7 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
     """Measured busy/bubble per rank, mean op times, and the simulator's prediction."""
     ranks = []
     kinds: dict[str, list[float]] = {"F": [], "B": [], "Bi": [], "W": [], "FB": []}
+    rank_kinds = [{k: [] for k in kinds} for _ in per_rank]
     step_ms = max(r["timeline"]["step_ms"] for r in per_rank)
     timed = []
     where = stage_of("dualpipev", RANKS)
@@ -214,7 +215,9 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
         busy = 0.0
         for _, kind, module, chunk, b_module, b_chunk, split, s, e in rec["timeline"]["ops"]:
             busy += e - s
-            kinds["Bi" if kind == "B" and split else kind].append(e - s)
+            name = "Bi" if kind == "B" and split else kind
+            kinds[name].append(e - s)
+            rank_kinds[rank][name].append(e - s)
             op = Op(kind, module, chunk, b_module, b_chunk, split)
             lane, stage = where[(rank, module)]
             b_lane, b_stage = where[(rank, b_module)] if kind == "FB" else (lane, stage)
@@ -222,21 +225,30 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
         timed.append(row)
         ranks.append({"step_ms": rec["timeline"]["step_ms"], "busy_ms": busy,
                       "bubble_ms": rec["timeline"]["step_ms"] - busy})
-    mean = {k: (statistics.fmean(v) if v else None) for k, v in kinds.items()}
-    # W: measured directly; B: a full backward where the schedule ran one, else split B + W
-    W = mean["W"] or 0.0
-    B = mean["B"] if mean["B"] is not None else (mean["Bi"] or 0.0) + W
-    FB = mean["FB"] if mean["FB"] is not None else mean["F"] + B
-    sim = simulate("dualpipev", RANKS, args.chunks, mean["F"], B, W, FB)
+
+    def simulator_inputs(times):
+        mean = {k: (statistics.fmean(v) if v else None) for k, v in times.items()}
+        # W: measured directly; B: a full backward where the schedule ran one, else split B + W
+        W = mean["W"] or 0.0
+        B = mean["B"] if mean["B"] is not None else (mean["Bi"] or 0.0) + W
+        FB = mean["FB"] if mean["FB"] is not None else mean["F"] + B
+        return mean, {"F": mean["F"], "B": B, "W": W, "FB": FB}
+
+    mean, pooled = simulator_inputs(kinds)
+    own = [simulator_inputs(t)[1] for t in rank_kinds]  # each rank's own mean op times
+    sim = simulate("dualpipev", RANKS, args.chunks, **{k: [o[k] for o in own] for k in ("F", "B", "W", "FB")})
+    sim_pooled = simulate("dualpipev", RANKS, args.chunks, **pooled)
     measured = Simulation("dualpipev", RANKS, args.chunks, timed, step_ms,
                           [r["busy_ms"] for r in ranks], [step_ms - r["busy_ms"] for r in ranks],
                           sim.peak_activations)
     return {
         "per_rank": ranks,
         "mean_op_ms": mean,
-        "simulator_inputs_ms": {"F": mean["F"], "B": B, "W": W, "FB": FB},
+        "simulator_inputs_ms_per_rank": own,
         "predicted": {"total_ms": sim.total, "bubble_ms_per_rank": sim.bubble,
                       "peak_activations_per_rank": sim.peak_activations},
+        "predicted_from_pooled_means": {"inputs_ms": pooled, "total_ms": sim_pooled.total,
+                                        "bubble_ms_per_rank": sim_pooled.bubble},
         "measured_vs_predicted_bubble_ms": [[r["bubble_ms"], p] for r, p in zip(ranks, sim.bubble)],
         "_measured": measured,
         "_simulated": sim,
@@ -336,7 +348,8 @@ def main() -> None:
             "the modules define no overlapped_forward_backward, so an F&B runs F then B",
             "torch 1F1B/GPipe: 2 stages (each = 2 of our stages) on 2 ranks; DualPipeV: 4 stages, V-shaped",
             "measured bubble = step time - sum of op times on the rank (one extra step with CUDA "
-            "events around every op); predicted = simulate('dualpipev') with the measured mean op times",
+            "events around every op); predicted = simulate('dualpipev') with each rank's measured mean op times "
+            "(predicted_from_pooled_means: one mean over both ranks)",
         ],
         "schedules": per_schedule,
         "dualpipev_timeline": timeline,

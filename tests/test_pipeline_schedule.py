@@ -313,3 +313,15 @@ def test_save_png(tmp_path):
 def test_check_chunks_messages(kind, pp, chunks, words):
     with pytest.raises(ValueError, match=words.replace("*", r"\*")):
         check_chunks(kind, pp, chunks)
+
+
+def test_per_rank_op_times_shift_the_bubble_to_the_faster_rank():
+    same = simulate("dualpipev", 2, 8, F=1.0, B=2.0, W=1.0)
+    per_rank = simulate("dualpipev", 2, 8, F=[1.0, 1.0], B=[2.0, 2.0], W=[1.0, 1.0])
+    assert per_rank.bubble == pytest.approx(same.bubble) and per_rank.total == pytest.approx(same.total)
+    skewed = simulate("dualpipev", 2, 8, F=[0.8, 1.0], B=[1.6, 2.0], W=[0.8, 1.0])
+    # rank 0 does the same ops faster: its busy time drops, and it waits for rank 1
+    assert skewed.busy[0] < skewed.busy[1]
+    assert skewed.bubble[0] > skewed.bubble[1]
+    with pytest.raises(ValueError, match="one time for every rank"):
+        simulate("dualpipev", 2, 8, F=[1.0, 1.0, 1.0])

@@ -293,7 +293,7 @@ def comm_plan(kind: str, pp: int, chunks: int, rank: int, forward_only: bool = F
     """
     all_ops = schedule(kind, pp, chunks)
     nbrs = _neighbours(kind, pp)
-    timed, _ = _timeline(kind, pp, all_ops, lambda op: 1.0, 0.0)
+    timed, _ = _timeline(kind, pp, all_ops, lambda rank, op: 1.0, 0.0)
     by_round: dict[int, Batch] = {}
     for src in range(pp):
         for t in timed[src]:
@@ -407,22 +407,34 @@ class Simulation:
         plt.close(fig)
 
 
-def simulate(kind: str, pp: int, chunks: int, F: float = 1.0, B: float = 2.0, W: float = 1.0,
-             FB: float | None = None, latency: float = 0.0) -> Simulation:
+def _per_rank(value, pp: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * pp
+    values = [float(v) for v in value]
+    if len(values) != pp:
+        raise ValueError(f"{name}: give one time for every rank ({pp}) or a single number, got {len(values)}")
+    return values
+
+
+def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, latency: float = 0.0) -> Simulation:
     """Time `schedule(kind, pp, chunks)` with dependency tracking.
 
     kind: "1f1b", "zb1p", "dualpipe" or "dualpipev"; pp: number of ranks (dualpipev runs 2*pp
     stages); chunks: micro-batches per step (dualpipe: half enter at each end).
     F, B, W: times of one stage's forward, full backward (input and weight gradients) and weight
     gradient for one micro-batch; a split B takes B - W. FB: time of an "FB" op (default F + B,
-    no overlap). latency: delay of each message between ranks.
+    no overlap). Each is one number, or a sequence of one number per rank (ranks whose stages
+    run at different speeds). latency: delay of each message between ranks.
     An op starts when its rank is free and the messages it needs have arrived.
     """
     ops = schedule(kind, pp, chunks)
-    FB = F + B if FB is None else FB
+    F, B, W = _per_rank(F, pp, "F"), _per_rank(B, pp, "B"), _per_rank(W, pp, "W")
+    FB = [f + b for f, b in zip(F, B)] if FB is None else _per_rank(FB, pp, "FB")
 
-    def duration(op: Op) -> float:
-        return {"F": F, "W": W, "FB": FB}.get(op.kind, B - W if op.split else B)
+    def duration(rank: int, op: Op) -> float:
+        if op.kind in ("F", "W", "FB"):
+            return {"F": F, "W": W, "FB": FB}[op.kind][rank]
+        return B[rank] - W[rank] if op.split else B[rank]
 
     timed, events = _timeline(kind, pp, ops, duration, latency)
     total = max((row[-1].end for row in timed if row), default=0.0)
@@ -478,7 +490,7 @@ def _timeline(kind: str, pp: int, ops: list[list[Op]], duration, latency: float)
                 if t is None:
                     break
                 start = max(free[r], t)
-                end = free[r] = start + duration(op)
+                end = free[r] = start + duration(r, op)
                 lane, stage = where[(r, op.module)]
                 b_lane, b_stage = where[(r, op.b_module)] if op.kind == "FB" else (lane, stage)
                 timed[r].append(TimedOp(op, lane, stage, b_lane, b_stage, start, end))
