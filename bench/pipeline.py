@@ -236,7 +236,9 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
 
     mean, pooled = simulator_inputs(kinds)
     own = [simulator_inputs(t)[1] for t in rank_kinds]  # each rank's own mean op times
-    sim = simulate("dualpipev", RANKS, args.chunks, **{k: [o[k] for o in own] for k in ("F", "B", "W", "FB")})
+    latency = max(r.get("p2p_message_ms", 0.0) for r in per_rank)
+    sim = simulate("dualpipev", RANKS, args.chunks, **{k: [o[k] for o in own] for k in ("F", "B", "W", "FB")},
+                   latency=latency)
     sim_pooled = simulate("dualpipev", RANKS, args.chunks, **pooled)
     measured = Simulation("dualpipev", RANKS, args.chunks, timed, step_ms,
                           [r["busy_ms"] for r in ranks], [step_ms - r["busy_ms"] for r in ranks],
@@ -245,6 +247,7 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
         "per_rank": ranks,
         "mean_op_ms": mean,
         "simulator_inputs_ms_per_rank": own,
+        "simulator_latency_ms": latency,
         "predicted": {"total_ms": sim.total, "bubble_ms_per_rank": sim.bubble,
                       "peak_activations_per_rank": sim.peak_activations},
         "predicted_from_pooled_means": {"inputs_ms": pooled, "total_ms": sim_pooled.total,
@@ -253,6 +256,31 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
         "_measured": measured,
         "_simulated": sim,
     }
+
+
+def p2p_message_ms(args, rank, device, dtype, clock) -> float:
+    """Time of one activation message (micro-batch x seq x hidden) between the two ranks:
+    ping-pong with the same batched p2p calls the schedule uses, half the round trip."""
+    t = torch.randn(args.micro_batch, args.seq, args.hidden, device=device).to(dtype)
+    r = torch.empty_like(t)
+    peer = 1 - rank
+
+    def ping_pong():
+        for turn in (0, 1):
+            op = dist.P2POp(dist.isend, t, peer) if turn == rank else dist.P2POp(dist.irecv, r, peer)
+            for work in dist.batch_isend_irecv([op]):
+                work.wait()
+
+    for _ in range(3):
+        ping_pong()
+    dist.barrier()
+    start = clock.mark()
+    for _ in range(10):
+        ping_pong()
+    end = clock.mark()
+    if clock.cuda:
+        end.synchronize()
+    return clock.ms(start, end) / 10 / 2
 
 
 def worker(rank: int, args, port: int, queue) -> None:
@@ -272,6 +300,7 @@ def worker(rank: int, args, port: int, queue) -> None:
     shape = (args.chunks * args.micro_batch, args.seq, args.hidden)
     data = (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
     out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, clock, data)}
+    out["smsplit.DualPipeV"]["p2p_message_ms"] = p2p_message_ms(args, rank, device, dtype, clock)
     for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleDualPipeV"):
         if cuda:
             torch.cuda.empty_cache()
@@ -348,7 +377,8 @@ def main() -> None:
             "the modules define no overlapped_forward_backward, so an F&B runs F then B",
             "torch 1F1B/GPipe: 2 stages (each = 2 of our stages) on 2 ranks; DualPipeV: 4 stages, V-shaped",
             "measured bubble = step time - sum of op times on the rank (one extra step with CUDA "
-            "events around every op); predicted = simulate('dualpipev') with each rank's measured mean op times "
+            "events around every op); predicted = simulate('dualpipev') with each rank's measured mean op times and the measured "
+            "time of one activation message as the latency "
             "(predicted_from_pooled_means: one mean over both ranks)",
         ],
         "schedules": per_schedule,

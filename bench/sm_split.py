@@ -71,6 +71,8 @@ def main():
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 24, 32])
     parser.add_argument("--modes", nargs="+", default=["green", "grid"])
     parser.add_argument("--trace-at", type=int, default=24, help="comm_sms of the traced round")
+    parser.add_argument("--evict-first-modes", nargs="*", default=["green"],
+                        help="modes also measured with the copy's lines marked evict-first in L2")
     parser.add_argument("--copy-shape", default="4096x16",
                         help="BLOCKxWARPS of the comm copy for the split rows ('best': fastest of the sweep)")
     args = parser.parse_args()
@@ -115,11 +117,13 @@ def main():
     print(f"copy shapes (24 programs, GB/s): {shapes}; using {best}", flush=True)
 
     rows = []
-    for mode in args.modes:
+    variants = [(mode, False) for mode in args.modes] + [(mode, True) for mode in args.evict_first_modes]
+    for mode, evict_first in variants:
         for comm_sms in args.comm_sms:
             with SmBudget(comm_sms, device=dev, mode=mode) as budget:
                 programs = budget.comm_sms
-                copy = lambda: sm_copy(dst, src, programs, block=block, num_warps=warps)  # noqa: E731
+                copy = lambda: sm_copy(dst, src, programs, block=block, num_warps=warps,  # noqa: E731
+                                       evict_first=evict_first)
                 copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
                 gemm_alone = time_ms(gemm, stream=budget.compute_stream, warmup=3, repeat=15)
                 n_gemm = 30
@@ -132,7 +136,7 @@ def main():
                     windows.append(w)
                 windows = {"windows": windows}
                 row = {
-                    "mode": mode, "requested_comm_sms": comm_sms, "comm_sms": budget.comm_sms,
+                    "mode": mode, "evict_first": evict_first, "requested_comm_sms": comm_sms, "comm_sms": budget.comm_sms,
                     "compute_sms": budget.compute_sms, "copy_programs": programs,
                     "gemm_alone_ms": gemm_alone["median_ms"],
                     "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
@@ -148,7 +152,7 @@ def main():
                 }
                 row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
                 row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
-                if comm_sms == args.trace_at:
+                if comm_sms == args.trace_at and not evict_first:
                     FIGURES.mkdir(parents=True, exist_ok=True)
                     png = FIGURES / f"sm_split_{mode}_{comm_sms}.png"
                     row["trace"] = traced_round(
@@ -157,7 +161,7 @@ def main():
                         png, FIGURES / f"sm_split_{mode}_{comm_sms}_trace.json")
                     row["trace_shared_sm_count"] = len(row["trace"]["shared_sms"])
                 rows.append(row)
-                print(f"{mode:5s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
+                print(f"{mode + ('+ef' if evict_first else ''):8s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
                       f"conc {row['gemm_concurrent_tflops']:6.1f} TFLOP/s ({row['gemm_kept']:.3f}) | copy alone "
                       f"{row['copy_alone_gbps']:7.1f} conc {row['copy_concurrent_gbps'] or float('nan'):7.1f} GB/s "
                       f"({row['copy_kept'] or float('nan'):.3f})" + (f" | shared SMs {row['trace_shared_sm_count']}" if "trace" in row else ""),

@@ -24,7 +24,8 @@ def sm_split(name="sm_split"):
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
         shared = str(r.get("trace_shared_sm_count", "")) if "trace" in r else ""
-        print(f"| {r['mode']} | {r['requested_comm_sms']} → {r['comm_sms']} | {r['compute_sms']} | "
+        mode = r["mode"] + (" + L2 evict-first" if r.get("evict_first") else "")
+        print(f"| {mode} | {r['requested_comm_sms']} → {r['comm_sms']} | {r['compute_sms']} | "
               f"{r['gemm_alone_tflops']:.0f} | {r['gemm_concurrent_tflops']:.0f} | {r['gemm_kept']:.3f} | "
               f"{r['copy_alone_gbps']:.0f} | {r['copy_concurrent_gbps']:.0f} | {r['copy_kept']:.3f} | {shared} |")
 

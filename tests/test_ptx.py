@@ -23,6 +23,14 @@ def _copy_v4(src, dst, n_vec, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _copy_v4_evict_first(src, dst, n_vec, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_vec
+    w0, w1, w2, w3 = ptx.ld_global_nc_v4_evict_first(src + 4 * offs, mask)
+    ptx.st_global_na_v4_evict_first(dst + 4 * offs, w0, w1, w2, w3, mask)
+
+
+@triton.jit
 def _flags(flag, out):
     ptx.st_release_gpu(flag, 1)
     ptx.st_release_sys(flag + 1, 2)
@@ -45,6 +53,10 @@ def compiled():
             _copy_v4, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
         ),
+        "copy_v4_evict_first": ptx.compile_for_sm90(
+            _copy_v4_evict_first, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": 256},
+        ),
         "flags": ptx.compile_for_sm90(_flags, {"flag": "*i32", "out": "*i32"}),
     }
 
@@ -54,6 +66,8 @@ KERNEL_OF = {
     "globaltimer": "where_when",
     "ld_global_nc_v4": "copy_v4",
     "st_global_na_v4": "copy_v4",
+    "ld_global_nc_v4_evict_first": "copy_v4_evict_first",
+    "st_global_na_v4_evict_first": "copy_v4_evict_first",
     "ld_acquire_gpu": "flags",
     "ld_acquire_sys": "flags",
     "st_release_gpu": "flags",

@@ -13,8 +13,10 @@ from smsplit.trace import Trace, record_block
 
 
 @triton.jit
-def persistent_copy_kernel(src, dst, n_vec, trace_ptr, tag, BLOCK: tl.constexpr, TRACE: tl.constexpr):
-    """Copy ``n_vec`` 16-byte vectors (``src``/``dst`` point at int32 words)."""
+def persistent_copy_kernel(src, dst, n_vec, trace_ptr, tag, BLOCK: tl.constexpr, TRACE: tl.constexpr,
+                           EVICT_FIRST: tl.constexpr = False):
+    """Copy ``n_vec`` 16-byte vectors (``src``/``dst`` point at int32 words). EVICT_FIRST marks the
+    copied lines evict-first in L2."""
     if TRACE:
         start = ptx.globaltimer()
     pid = tl.program_id(0)
@@ -22,8 +24,12 @@ def persistent_copy_kernel(src, dst, n_vec, trace_ptr, tag, BLOCK: tl.constexpr,
     for tile in range(pid, n_tiles, tl.num_programs(0)):
         offs = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_vec
-        w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + 4 * offs, mask)
-        ptx.st_global_na_v4(dst + 4 * offs, w0, w1, w2, w3, mask)
+        if EVICT_FIRST:
+            w0, w1, w2, w3 = ptx.ld_global_nc_v4_evict_first(src + 4 * offs, mask)
+            ptx.st_global_na_v4_evict_first(dst + 4 * offs, w0, w1, w2, w3, mask)
+        else:
+            w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + 4 * offs, mask)
+            ptx.st_global_na_v4(dst + 4 * offs, w0, w1, w2, w3, mask)
     if TRACE:
         record_block(trace_ptr, tag, start)
 
@@ -39,10 +45,12 @@ def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trace | None = None,
-            name: str = "copy", kind: str = "comm", block: int = 2048, num_warps: int = 8) -> torch.Tensor:
+            name: str = "copy", kind: str = "comm", block: int = 2048, num_warps: int = 8,
+            evict_first: bool = False) -> torch.Tensor:
     """Copy ``src`` into ``dst`` (same byte size, a multiple of 16) with exactly ``num_programs``
     persistent programs on the current stream. With ``trace``, each program records where and when
-    it ran under ``name``/``kind``."""
+    it ran under ``name``/``kind``. ``evict_first`` keeps the copied lines from displacing other
+    kernels' data in L2."""
     if src.nbytes != dst.nbytes:
         raise ValueError(f"src has {src.nbytes} bytes and dst {dst.nbytes}; they must match")
     if src.nbytes % 16:
@@ -56,6 +64,6 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trac
         trace_view, tag = dst_words, 0  # unused when TRACE is False
     persistent_copy_kernel[(num_programs,)](
         src_words, dst_words, src.nbytes // 16, trace_view, tag,
-        BLOCK=block, TRACE=trace is not None, num_warps=num_warps,
+        BLOCK=block, TRACE=trace is not None, EVICT_FIRST=evict_first, num_warps=num_warps,
     )
     return dst

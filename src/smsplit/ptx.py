@@ -87,6 +87,54 @@ def st_global_na_v4(ptr, w0, w1, w2, w3, mask):
     )
 
 
+@triton.jit
+def ld_global_nc_v4_evict_first(ptr, mask):
+    """``ld_global_nc_v4`` whose lines are marked evict-first in L2 (``createpolicy`` +
+    ``.L2::cache_hint``), so a streaming copy does not push a compute kernel's tiles out of L2."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        .reg .b64 policy;
+        setp.ne.b32 p, $5, 0;
+        createpolicy.fractional.L2::evict_first.b64 policy, 1.0;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        @p ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4], policy;
+        }
+        """,
+        "=r,=r,=r,=r,l,r",
+        [ptr, tl.cast(mask, tl.int32)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def st_global_na_v4_evict_first(ptr, w0, w1, w2, w3, mask):
+    """``st_global_na_v4`` whose lines are marked evict-first in L2."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        .reg .b64 policy;
+        setp.ne.b32 p, $6, 0;
+        createpolicy.fractional.L2::evict_first.b64 policy, 1.0;
+        mov.b32 $0, 0;
+        @p st.global.L1::no_allocate.L2::cache_hint.v4.b32 [$1], {$2, $3, $4, $5}, policy;
+        }
+        """,
+        "=r,l,r,r,r,r,r",
+        [ptr, w0, w1, w2, w3, tl.cast(mask, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 # --- flags: acquire / release ----------------------------------------------------------------------
 
 
@@ -223,6 +271,8 @@ INSTRUCTIONS = {
     "globaltimer": "%globaltimer",
     "ld_global_nc_v4": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
     "st_global_na_v4": "st.global.L1::no_allocate.v4.b32",
+    "ld_global_nc_v4_evict_first": "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32",
+    "st_global_na_v4_evict_first": "st.global.L1::no_allocate.L2::cache_hint.v4.b32",
     "ld_acquire_gpu": "ld.acquire.gpu.global.b32",
     "ld_acquire_sys": "ld.acquire.sys.global.b32",
     "st_release_gpu": "st.release.gpu.global.b32",
