@@ -121,3 +121,13 @@ def test_release_atomic_runs_once_per_program():
     bump[(64,)](counter, num_warps=4)
     assert counter[0].item() == 64
     assert (counter[1:] == 7).all()
+
+
+def test_a_new_trace_tag_does_not_recompile_traced_kernels():
+    # Triton specializes integer arguments (0, 1, multiples of 16); a tag id is data, not shape:
+    # a kernel recompiled mid-trace would stall its stream for tens of milliseconds.
+    from smsplit.ep.nvlink import combine_kernel, dispatch_kernel
+
+    for kernel, tag in ((persistent_copy_kernel, "tag"), (_probe_kernel, "tag"),
+                        (dispatch_kernel, "trace_tag"), (combine_kernel, "trace_tag")):
+        assert [p.name for p in kernel.params if p.do_not_specialize] == [tag]

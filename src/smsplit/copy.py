@@ -12,7 +12,7 @@ from smsplit import ptx
 from smsplit.trace import Trace, record_block
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tag"])  # a new tag id must not recompile
 def persistent_copy_kernel(src, dst, n_vec, trace_ptr, tag, BLOCK: tl.constexpr, TRACE: tl.constexpr,
                            EVICT_FIRST: tl.constexpr = False):
     """Copy ``n_vec`` 16-byte vectors (``src``/``dst`` point at int32 words). EVICT_FIRST marks the

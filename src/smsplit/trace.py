@@ -42,7 +42,7 @@ def record_block(trace_ptr, tag, start_ns):
     tl.store(slot + 3, tl.cast(tag, tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tag"])  # a new tag id must not recompile
 def _probe_kernel(trace_ptr, tag, spin_ns):
     start = ptx.globaltimer()
     now = start

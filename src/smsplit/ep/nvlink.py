@@ -138,7 +138,7 @@ def _pick(values, cols, d):
     return tl.sum(tl.where(cols == d, values, 0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
                     off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
@@ -247,7 +247,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 
 # --- combine -----------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
 def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr,
                    out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, n_rows,
                    off_cx, off_cw, sig_off, timeout_ns,
