@@ -73,6 +73,8 @@ def main():
     parser.add_argument("--trace-at", type=int, default=24, help="comm_sms of the traced round")
     parser.add_argument("--evict-first-modes", nargs="*", default=["green"],
                         help="modes also measured with the copy's lines marked evict-first in L2")
+    parser.add_argument("--green-programs-per-sm", type=int, default=1,
+                        help="copy programs per comm SM in green mode (grid mode always runs one per comm SM)")
     parser.add_argument("--copy-shape", default="4096x16",
                         help="BLOCKxWARPS of the comm copy for the split rows ('best': fastest of the sweep)")
     args = parser.parse_args()
@@ -96,7 +98,7 @@ def main():
     assert err < 1e-2, f"GEMM relative error {err}"
 
     env = environment()
-    result = {"env": env, "gemm_n": n, "copy_bytes": nbytes,
+    result = {"env": env, "gemm_n": n, "copy_bytes": nbytes, "green_programs_per_sm": args.green_programs_per_sm,
               "notes": "copy GB/s counts bytes read plus bytes written; GEMM on random bf16 inputs",
               "gemm_relative_error": err}
     full = time_ms(gemm, warmup=5, repeat=20)
@@ -121,7 +123,7 @@ def main():
     for mode, evict_first in variants:
         for comm_sms in args.comm_sms:
             with SmBudget(comm_sms, device=dev, mode=mode) as budget:
-                programs = budget.comm_sms
+                programs = budget.comm_sms * (args.green_programs_per_sm if mode == "green" else 1)
                 copy = lambda: sm_copy(dst, src, programs, block=block, num_warps=warps,  # noqa: E731
                                        evict_first=evict_first)
                 copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
