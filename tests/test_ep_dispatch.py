@@ -258,6 +258,7 @@ def test_buffer_on_a_subgroup():
     assert received[1] > 0 and received[3] > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", [c for c in DISPATCH_CASES if c[0] == 2],
                          ids=lambda c: f"ep{c[0]}-h{c[2]}-k{c[4]}-{c[5]}-{c[6]}-w{c[8]}")
