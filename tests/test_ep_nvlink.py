@@ -157,3 +157,74 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
         ((512, 512), 9, False, 0),     # reuse after padding, full size
     ]
     mp.spawn(_worker, args=(2, _free_port(), cases), nprocs=2, join=True)
+
+
+def _buffer_worker(rank, world, port):
+    """Buffer(backend="nvlink") against Buffer(backend="reference") on the same inputs."""
+    from smsplit.ep import Buffer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    group = dist.group.WORLD
+    T, H, E, K = 256, 2048, 16, 6
+    hint = Buffer.get_buffer_size_hint(T, H, world, K, backend="nvlink")
+    fast = Buffer(group, num_nvl_bytes=hint, num_sms=8, backend="nvlink", timeout_s=30)
+    ref = Buffer(group, backend="reference", timeout_s=30)
+    for seed in range(3):
+        g = torch.Generator(device="cpu").manual_seed(100 * seed + rank)
+        n = T - 17 * rank - 30 * seed
+        x = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
+        topk = torch.randint(0, E, (n, K), generator=g)
+        topk[torch.rand(n, K, generator=g) < 0.2] = -1
+        topk = topk.to(dev)
+        w = torch.rand(n, K, generator=g).to(dev)
+        outs = {}
+        for name, buf in (("nvlink", fast), ("reference", ref)):
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+            common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w)
+            bf16 = buf.dispatch(x, **common)
+            q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
+            xg = x.clone().requires_grad_(True)
+            recv, _, _, _, handle, _ = buf.dispatch(xg, **common)
+            back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
+            back.float().pow(2).sum().backward()
+            combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2])
+            outs[name] = (bf16[0], bf16[1], bf16[2], bf16[3], q[0][0].view(torch.uint8), q[0][1], q[1],
+                          combined, combined_w, back, xg.grad)
+        for i, (a, b) in enumerate(zip(outs["nvlink"], outs["reference"])):
+            if isinstance(a, list):
+                assert a == b, f"seed {seed}: output {i}: {a} != {b}"
+            else:
+                assert torch.equal(a, b), f"seed {seed}: output {i} differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_buffer_nvlink_backend_equals_reference_backend():
+    mp.spawn(_buffer_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _gloo_nvlink_worker(rank, world, port):
+    from smsplit.ep import Buffer, EPArgumentError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for kwargs, argument in (({"backend": "nvlink", "num_nvl_bytes": 1 << 20}, "backend"),):
+            try:
+                Buffer(dist.group.WORLD, **kwargs)
+            except EPArgumentError as e:
+                assert e.argument == argument and "NCCL" in str(e), str(e)
+            else:
+                raise AssertionError(f"Buffer({kwargs}) on gloo did not raise")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason():
+    mp.spawn(_gloo_nvlink_worker, args=(1, _free_port()), nprocs=1, join=True)

@@ -13,7 +13,7 @@ from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combin
 from .reference import ReferenceTransport
 from .transport import EPArgumentError, EPError
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "nvlink")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Header: one int64 row that every rank sends to every rank before any token moves.
@@ -31,6 +31,7 @@ ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "
              "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+NVLINK_MAX_TOPK = 16
 
 
 def _reject(argument: str, message: str) -> EPArgumentError:
@@ -100,8 +101,10 @@ class Buffer:
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
             num_sms: the SMs the communication kernels may use; ignored when `budget` is given.
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms` and its comm stream hosts the kernels.
-            backend: "reference" (point-to-point `torch.distributed` messages) or "auto" (the fastest available:
-                the reference until the GPU transports land).
+            backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
+                kernels of `smsplit.ep.nvlink` over NVLink, NCCL groups of one node only; size `num_nvl_bytes` with
+                `get_buffer_size_hint(..., backend="nvlink")`), or "auto" (the reference: on our 2x H200 runs the
+                nvlink kernels are still slower than NCCL, see BENCHMARKS.md).
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
         """
         if group is None:
@@ -120,12 +123,19 @@ class Buffer:
         self.budget = budget
         self.num_sms = int(getattr(budget, "comm_sms", num_sms)) if budget is not None else num_sms
         self.timeout_s = float(timeout_s)
-        self.backend = "reference"
+        self.backend = "nvlink" if backend == "nvlink" else "reference"
         if str(dist.get_backend(group)).lower() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        if self.backend == "nvlink" and self.device.type != "cuda":
+            raise _reject("backend", "backend='nvlink' moves CUDA tensors over NVLink: it needs an NCCL group "
+                                     "(this group is gloo); use backend='reference'")
+        if self.backend == "nvlink" and num_nvl_bytes == 0:
+            raise _reject("num_nvl_bytes", "backend='nvlink' needs a receive buffer: size it with "
+                                           "Buffer.get_buffer_size_hint(..., backend='nvlink')")
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
+        self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._round = 0
 
         header = self._header(OP_INIT)
@@ -140,7 +150,7 @@ class Buffer:
     @staticmethod
     def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
                              x_dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
-                             combine_dtype: torch.dtype = torch.bfloat16) -> int:
+                             combine_dtype: torch.dtype = torch.bfloat16, backend: str = "reference") -> int:
         """
         The smallest `num_nvl_bytes` for dispatches and combines of up to `num_max_tokens_per_rank` tokens per rank.
 
@@ -156,10 +166,16 @@ class Buffer:
             x_dtype: the dtype of the dispatched values (ignored when `fp8`).
             fp8: whether tokens travel as FP8 with scales.
             combine_dtype: the dtype of the combined values.
+            backend: "reference" (or "auto") or "nvlink". The nvlink transport's symmetric buffer holds a
+                bf16-sized receive area and a combine area for every source rank, and top-k columns for up to 16.
 
         Returns:
             size: bytes.
         """
+        if backend == "nvlink":
+            from .nvlink import NvlinkTransport
+
+            return NvlinkTransport.buffer_bytes(num_ranks, num_max_tokens_per_rank, hidden, NVLINK_MAX_TOPK)
         dispatch_bytes = dispatch_row_bytes(hidden, 1 if fp8 else torch.empty(0, dtype=x_dtype).element_size(),
                                             fp8, num_topk)
         combine_bytes = combine_row_bytes(hidden, torch.empty(0, dtype=combine_dtype).element_size(), num_topk)
@@ -300,9 +316,11 @@ class Buffer:
         self._wait_previous(previous_event)
 
         values, scales = spec["values"], spec["scales"]
-        if fp8 and values is not None and scales is None:
-            values, scales = fp8_lib.quantize_activations(values)
+        fp8_on_wire = fp8 or scales is not None
         cached = handle is not None
+        use_nvlink = self._nvlink_moves(values, handle)
+        if fp8 and values is not None and scales is None and not use_nvlink:
+            values, scales = fp8_lib.quantize_activations(values)
         if cached:
             num_local_experts = handle.num_local_experts
         else:
@@ -325,27 +343,30 @@ class Buffer:
                 num_local_experts=num_local_experts)
             self.transport.prepare(handle)
 
-        payload = [t for t in (values, scales, topk_idx, topk_weights) if t is not None]
-        if not cached:
-            num_tokens = handle.num_tokens
-            payload.append(torch.arange(num_tokens, dtype=torch.int32, device=self.device).view(num_tokens, 1))
-        received = iter(self.transport.dispatch("dispatch", handle, payload))
-        recv_values = next(received) if values is not None else None
-        recv_scales = next(received) if scales is not None else None
-        recv_topk_idx = next(received) if topk_idx is not None else None
-        recv_topk_weights = next(received) if topk_weights is not None else None
-        if not cached:
-            handle.recv_src_idx = next(received)[:handle.num_recv_tokens, 0].contiguous()
-
-        if recv_topk_idx is not None:
-            recv_topk_idx[handle.num_recv_tokens:] = -1
-            recv_topk_idx = to_local_expert_ids(recv_topk_idx, self.rank, num_local_experts)
-            if recv_topk_weights is not None:
-                recv_topk_weights = recv_topk_weights.masked_fill(recv_topk_idx < 0, 0.0)
-        if scales is not None and dequantize:
+        if use_nvlink:
+            recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
+                handle, cached, values, scales, fp8 and scales is None, topk_idx, topk_weights, num_local_experts)
+        else:
+            payload = [t for t in (values, scales, topk_idx, topk_weights) if t is not None]
+            if not cached:
+                num_tokens = handle.num_tokens
+                payload.append(torch.arange(num_tokens, dtype=torch.int32, device=self.device).view(num_tokens, 1))
+            received = iter(self.transport.dispatch("dispatch", handle, payload))
+            recv_values = next(received) if values is not None else None
+            recv_scales = next(received) if scales is not None else None
+            recv_topk_idx = next(received) if topk_idx is not None else None
+            recv_topk_weights = next(received) if topk_weights is not None else None
+            if not cached:
+                handle.recv_src_idx = next(received)[:handle.num_recv_tokens, 0].contiguous()
+            if recv_topk_idx is not None:
+                recv_topk_idx[handle.num_recv_tokens:] = -1
+                recv_topk_idx = to_local_expert_ids(recv_topk_idx, self.rank, num_local_experts)
+        if recv_topk_idx is not None and recv_topk_weights is not None:
+            recv_topk_weights = recv_topk_weights.masked_fill(recv_topk_idx < 0, 0.0)
+        if fp8_on_wire and dequantize:
             out_dtype = spec["values"].dtype if spec["scales"] is None else torch.bfloat16
             recv_x = fp8_lib.dequantize_1x128(recv_values, recv_scales, out_dtype)
-        elif scales is not None:
+        elif fp8_on_wire:
             recv_x = (recv_values, recv_scales)
         else:
             recv_x = recv_values
@@ -415,15 +436,68 @@ class Buffer:
         self._wait_previous(previous_event)
 
         rows = handle.num_recv_rows
-        summed_x, summed_weights = self.transport.combine(
-            "combine", handle, [x[:rows] if x is not None else None,
-                                topk_weights[:rows] if topk_weights is not None else None])
+        nvlink = getattr(handle, "nvlink_transport", None)
+        if nvlink is not None and x is not None and x.dtype == torch.bfloat16 and x.size(1) == nvlink.hidden:
+            out, summed_weights = nvlink.combine(
+                x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
+                handle.nvlink_layout, recv_src=handle.recv_src_idx)
+            nvlink.raise_if_failed()
+            summed_x = out.float()
+        else:
+            summed_x, summed_weights = self.transport.combine(
+                "combine", handle, [x[:rows] if x is not None else None,
+                                    topk_weights[:rows] if topk_weights is not None else None])
         combined_x = None
         if summed_x is not None:
             for b in biases:
                 summed_x += b.float()
             combined_x = summed_x.to(x.dtype)
         return combined_x, summed_weights, self._finish_event(async_finish)
+
+    # -- the nvlink transport ----------------------------------------------------------------------------------
+
+    def _nvlink_moves(self, values, handle) -> bool:
+        """Whether this dispatch goes through the NVLink kernels (the same answer on every rank: it depends on
+        arguments the header exchange has made agree). They move bf16 and FP8 values; anything else, and cached
+        dispatches of layouts they did not make, take the reference transport."""
+        if self.backend != "nvlink" or values is None:
+            return False
+        if values.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            return False
+        return handle is None or getattr(handle, "nvlink_layout", None) is not None
+
+    def _nvlink(self, hidden: int):
+        """The NVLink transport for this hidden size, made (collectively) at its first dispatch."""
+        transport = self._nvlink_transports.get(hidden)
+        if transport is None:
+            from .nvlink import NvlinkTransport
+
+            tokens = 1
+            while NvlinkTransport.buffer_bytes(self.group_size, tokens * 2, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes:
+                tokens *= 2
+            low, high = tokens, tokens * 2  # the largest token count that fits lies in [low, high)
+            while high - low > 1:
+                mid = (low + high) // 2
+                fits = NvlinkTransport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
+                low, high = (mid, high) if fits else (low, mid)
+            transport = NvlinkTransport(self.group, self.device, self.num_sms, low, hidden, NVLINK_MAX_TOPK,
+                                        self.timeout_s)
+            self._nvlink_transports[hidden] = transport
+        return transport
+
+    def _dispatch_nvlink(self, handle, cached, values, scales, quantize, topk_idx, topk_weights, num_local_experts):
+        """The data phase of a dispatch through the NVLink kernels. The received tensors are copied out of the
+        transport's buffer, so they stay valid like the reference backend's."""
+        transport = self._nvlink(values.size(1))
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
+            values, scales, topk_idx, topk_weights, handle.is_token_in_rank, num_local_experts, quantize=quantize,
+            num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
+        transport.raise_if_failed()
+        if not cached:
+            handle.nvlink_layout, handle.nvlink_transport = layout, transport
+            handle.recv_src_idx = recv_src[:handle.num_recv_tokens].clone()
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
 
     # -- validation ------------------------------------------------------------------------------------------
 
@@ -508,7 +582,16 @@ class Buffer:
 
         num_topk = topk_idx.size(1) if topk_idx is not None else (
             topk_weights.size(1) if topk_weights is not None else 0)
-        if self.num_nvl_bytes > 0 and hidden > 0:
+        if self.backend == "nvlink" and hidden > 0:
+            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk, backend="nvlink")
+            if need > self.num_nvl_bytes:
+                raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes with the "
+                                               f"nvlink backend (get_buffer_size_hint(..., backend='nvlink')) but "
+                                               f"the buffer has {self.num_nvl_bytes}")
+            if num_topk > NVLINK_MAX_TOPK:
+                raise _reject("topk_idx", f"the nvlink backend moves up to {NVLINK_MAX_TOPK} top-k columns, got "
+                                          f"{num_topk}")
+        elif self.num_nvl_bytes > 0 and hidden > 0:
             need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk,
                                              values.dtype if scales is None and not fp8 else torch.bfloat16,
                                              fp8 or scales is not None,

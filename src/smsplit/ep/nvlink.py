@@ -517,10 +517,12 @@ class NvlinkTransport:
         recv_src = self._view("src", torch.int32, (rows,))
         return recv_x, recv_scales, recv_topk, recv_weights, recv_src, NvlinkLayout(pos, layout, T, rows)
 
-    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None):
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None,
+                recv_src: torch.Tensor | None = None):
         """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum,
         per token, the rows that come back (fp32). Returns ``(combined bf16 [num_tokens, hidden],
-        combined weights fp32 [num_tokens, K] or None)``; fresh tensors."""
+        combined weights fp32 [num_tokens, K] or None)``; fresh tensors. ``recv_src``: the source token
+        of each received row (int32), when a later dispatch may have overwritten the buffer's copy."""
         self.raise_if_failed()
         R, T, H = self.num_ranks, layout.num_tokens, self.hidden
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
@@ -529,7 +531,8 @@ class NvlinkTransport:
         K = y_weights.size(1) if y_weights is not None else 1
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
-        recv_src = self._view("src", torch.int32, (layout.num_recv_rows,))
+        if recv_src is None:
+            recv_src = self._view("src", torch.int32, (layout.num_recv_rows,))
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
