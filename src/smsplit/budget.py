@@ -133,7 +133,7 @@ class _GreenPartition:
         self.total_sms = sm.sm.smCount
         self.min_partition = max(1, sm.sm.minSmPartitionSize)
         self.alignment = max(1, sm.sm.smCoscheduledAlignment)
-        self.plan = plan_split(comm_sms, self.total_sms, self.min_partition, self.alignment)
+        plan_split(comm_sms, self.total_sms, self.min_partition, self.alignment)  # the rounding leaves compute SMs
 
         groups, n_groups, remainder = _check(
             driver.cuDevSmResourceSplitByCount(1, sm, 0, comm_sms), "cuDevSmResourceSplitByCount"
