@@ -57,11 +57,6 @@ def test_no_gpu_is_explained():
 
 # --- on a GPU ----------------------------------------------------------------------------------------
 
-def _probe_sms(trace, stream, name):
-    trace.probe(stream, name, kind="probe")
-    return trace
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("asked", [8, 20, 32])
 def test_green_streams_run_on_disjoint_complementary_sms(asked):

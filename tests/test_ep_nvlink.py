@@ -35,7 +35,7 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
     sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "src_ptr": "*i32", "layout_ptr": "*i32", "pos_ptr": "*i32",
            "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
-           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "n_rows": "i32",
+           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
            "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "timeout_ns": "i64", "VEC": "constexpr",
            "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "HAS_WEIGHTS": "constexpr",
            "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
@@ -228,3 +228,32 @@ def _gloo_nvlink_worker(rank, world, port):
 
 def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason():
     mp.spawn(_gloo_nvlink_worker, args=(1, _free_port()), nprocs=1, join=True)
+
+
+def test_notify_kernel_compiles_with_its_flags():
+    sig = {"counts_ptr": "*i32", "bases_ptr": "*i64", "counts_off": "i64", "sig_off": "i64", "state_ptr": "*i32",
+           "layout_ptr": "*i32", "status_addr": "i64", "rank": "i32", "R": "i32", "num_worst": "i32",
+           "timeout_ns": "i64", "RP": "constexpr"}
+    text, cubin = ptx.compile_for_sm90(nvlink.notify_kernel, sig, {"RP": 8}, num_warps=1)
+    for name in ("atom_add_release_sys", "fence_acq_rel_sys", "wait_geq_sys"):
+        assert ptx.INSTRUCTIONS[name] in text, name
+    assert cubin[:4] == b"\x7fELF"
+
+
+def _mismatched_num_sms_worker(rank, world, port):
+    from smsplit.ep import Buffer, EPArgumentError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        Buffer(dist.group.WORLD, num_sms=20 + 4 * rank)
+    except EPArgumentError as e:
+        assert e.argument == "num_sms" and "[20, 24]" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: Buffers with different num_sms were accepted")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_num_sms_all_refuse_the_buffer():
+    # the NVLink kernels wait for as many programs from every peer as they run themselves
+    mp.spawn(_mismatched_num_sms_worker, args=(2, _free_port()), nprocs=2, join=True)

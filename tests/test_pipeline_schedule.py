@@ -1,4 +1,4 @@
-"""Schedules, the p2p plan the runtime walks, and the simulator against DESIGN.md's table.
+"""Schedules, the p2p plan the runtime walks, and the simulator against the bubble table of the design notes (../shared/DESIGN.md).
 
 Conventions (DeepSeek-V3 report, Table 2; DualPipe README):
   F, B, W: time of one stage's forward, full backward (input + weight gradients), weight-gradient
@@ -71,9 +71,11 @@ def test_dualpipe_bubble_matches_table(kind, ranks, F, overlap):
 def test_dualpipe_bubble_formula_is_not_exact_for_other_balances():
     """Outside F = W = B/2 the table's figure is an approximation; record one case so that the
     docs' caveat stays true (pp=4, F=1, B=2, W=0.5, F&B=2.2: simulated 2.2, table 2.7)."""
-    sim = simulate("dualpipe", 4, 8, 1.0, 2.0, 0.5, 2.2)
+    F, B, W, FB = 1.0, 2.0, 0.5, 2.2
+    sim = simulate("dualpipe", 4, 8, F, B, W, FB)
+    table = (4 / 2 - 1) * (FB + B - 3 * W)
     assert max(sim.bubble) == pytest.approx(2.2)
-    assert (4 / 2 - 1) * (2.2 + 2.0 - 1.5) == pytest.approx(2.7)
+    assert max(sim.bubble) != pytest.approx(table)
 
 
 @pytest.mark.parametrize("kind", ["dualpipe", "dualpipev"])
@@ -81,7 +83,7 @@ def test_dualpipe_bubble_formula_is_not_exact_for_other_balances():
 @pytest.mark.parametrize("F, B, W", TIMES)
 def test_dualpipe_activation_memory(kind, ranks, F, B, W):
     if kind == "dualpipe" and ranks % 2:
-        return
+        pytest.skip("DualPipe needs an even number of ranks")
     stages = ranks if kind == "dualpipe" else 2 * ranks
     for chunks in chunk_counts(kind, ranks):
         sim = simulate(kind, ranks, chunks, F, B, W, FB=0.8 * (F + B))
@@ -92,7 +94,7 @@ def test_dualpipe_activation_memory(kind, ranks, F, B, W):
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 8])
 def test_every_rank_runs_each_forward_backward_once_and_w_after_its_b(kind, ranks):
     if kind == "dualpipe" and ranks % 2:
-        return
+        pytest.skip("DualPipe needs an even number of ranks")
     for chunks in chunk_counts(kind, ranks) + [2 * ranks + 1]:
         if kind == "dualpipe" and chunks % 2:
             continue

@@ -105,7 +105,8 @@ def test_wait_is_inlined_twice_without_label_clashes():
 
 def test_flag_ops_are_not_optimised_away(compiled):
     ptx_text, _ = compiled["flags"]
-    # four flag stores/atomics, each once, in program order
-    order = [ptx_text.index(ptx.INSTRUCTIONS[n]) for n in
-             ("st_release_gpu", "st_release_sys", "atom_add_release_gpu", "atom_add_release_sys")]
+    # four flag stores/atomics, each exactly once, in program order
+    names = ("st_release_gpu", "st_release_sys", "atom_add_release_gpu", "atom_add_release_sys")
+    assert [ptx_text.count(ptx.INSTRUCTIONS[n]) for n in names] == [1, 1, 1, 1]
+    order = [ptx_text.index(ptx.INSTRUCTIONS[n]) for n in names]
     assert order == sorted(order)

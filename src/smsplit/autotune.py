@@ -1,7 +1,7 @@
 """Pick the communication split (comm SMs, transport, ...) that makes a step fastest, by measuring it.
 
     best, table = autotune_split(lambda c: overlapped_step(comm_sms=c["comm_sms"], transport=c["transport"]),
-                                 [{"comm_sms": n, "transport": t} for n in (8, 16, 24, 32) for t in ("sm", "ce")])
+                                 [{"comm_sms": n, "transport": t} for n in (8, 16, 24, 32) for t in ("reference", "nvlink")])
 
 Each candidate's step is run ``warmup`` times, then timed over ``iters`` runs with CUDA events (after a device
 synchronize on both sides, so work on any stream counts). With a process group, every rank's time is replaced

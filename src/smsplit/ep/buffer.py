@@ -11,7 +11,7 @@ from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combin
                      compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
                      to_local_expert_ids)
 from .reference import ReferenceTransport
-from .transport import EPArgumentError, EPError
+from .transport import EPArgumentError, EPError, EPTimeoutError
 
 BACKENDS = ("auto", "reference", "nvlink")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,7 +28,7 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 # Status word: 0 = arguments fine, else 1 + the index of the rejected argument here.
 ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
              "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
-             "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group")
+             "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
@@ -40,6 +40,9 @@ def _reject(argument: str, message: str) -> EPArgumentError:
 
 def _status_code(error: EPArgumentError) -> int:
     return 1 + (ARGUMENTS.index(error.argument) if error.argument in ARGUMENTS else len(ARGUMENTS))
+
+
+STATUS_TRANSPORT_FAILED = 1000  # a GPU kernel of this rank recorded a timeout; every rank raises EPError
 
 
 def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optional[int], ...]) -> None:
@@ -82,8 +85,8 @@ class Buffer:
         num_nvl_bytes: the size of the receive buffer each rank holds; 0 lets the reference backend allocate on
             demand (the GPU transports need it set: see `get_buffer_size_hint`).
         num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
-        budget: the `smsplit.budget.SmBudget` whose comm stream and SMs the GPU transports use, or None.
-        backend: the transport in use ("reference").
+        budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
+        backend: the transport in use ("reference" or "nvlink").
         device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
         timeout_s: the longest wait for a peer, in seconds.
         transport: the `Transport` that moves the bytes.
@@ -100,7 +103,8 @@ class Buffer:
             num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
             num_sms: the SMs the communication kernels may use; ignored when `budget` is given.
-            budget: an `SmBudget`; its `comm_sms` replaces `num_sms` and its comm stream hosts the kernels.
+            budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
+                buffer inside `torch.cuda.stream(budget.comm_stream)` to run them on the comm SMs.
             backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
                 kernels of `smsplit.ep.nvlink` over NVLink, NCCL groups of one node only; size `num_nvl_bytes` with
                 `get_buffer_size_hint(..., backend="nvlink")`), or "auto" (the reference: on our 2x H200 runs the
@@ -136,14 +140,22 @@ class Buffer:
                                            "Buffer.get_buffer_size_hint(..., backend='nvlink')")
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
+        self._nvlink_failure: Optional[str] = None
         self._round = 0
 
         header = self._header(OP_INIT)
         header[:, H_NVL_BYTES] = num_nvl_bytes
+        header[:, H_NUM_TOKENS] = self.num_sms  # the NVLink kernels wait for this many programs of every peer
+        header[:, H_FLAGS] = BACKENDS.index(self.backend)
         headers = self.transport.exchange_headers("init", "the buffer size", header)
         self._agree(OP_INIT, headers, None)
-        if len(set(headers[:, H_NVL_BYTES].tolist())) != 1:
-            raise _reject("num_nvl_bytes", f"must be the same on every rank, got {headers[:, H_NVL_BYTES].tolist()}")
+        for word, argument, what in ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"),
+                                     (H_FLAGS, "backend", "backend"),
+                                     (H_NUM_TOKENS, "num_sms", "num_sms (or budget.comm_sms)")):
+            values = headers[:, word].tolist()
+            if len(set(values)) != 1:
+                shown = [BACKENDS[v] for v in values] if word == H_FLAGS else values
+                raise _reject(argument, f"{what} must be the same on every rank, got {shown}")
 
     # -- sizes ---------------------------------------------------------------------------------------------
 
@@ -441,8 +453,7 @@ class Buffer:
             out, summed_weights = nvlink.combine(
                 x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
                 handle.nvlink_layout, recv_src=handle.recv_src_idx)
-            nvlink.raise_if_failed()
-            summed_x = out.float()
+            summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
         else:
             summed_x, summed_weights = self.transport.combine(
                 "combine", handle, [x[:rows] if x is not None else None,
@@ -489,10 +500,11 @@ class Buffer:
         """The data phase of a dispatch through the NVLink kernels. The received tensors are copied out of the
         transport's buffer, so they stay valid like the reference backend's."""
         transport = self._nvlink(values.size(1))
+        dense = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels index rows densely)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
-            values, scales, topk_idx, topk_weights, handle.is_token_in_rank, num_local_experts, quantize=quantize,
+            dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
+            num_local_experts, quantize=quantize,
             num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
-        transport.raise_if_failed()
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             handle.recv_src_idx = recv_src[:handle.num_recv_tokens].clone()
@@ -583,6 +595,9 @@ class Buffer:
         num_topk = topk_idx.size(1) if topk_idx is not None else (
             topk_weights.size(1) if topk_weights is not None else 0)
         if self.backend == "nvlink" and hidden > 0:
+            if hidden % SCALE_BLOCK:
+                raise _reject("x", f"the nvlink backend needs a hidden size that is a multiple of {SCALE_BLOCK}, "
+                                   f"got {hidden}")
             need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk, backend="nvlink")
             if need > self.num_nvl_bytes:
                 raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes with the "
@@ -640,7 +655,23 @@ class Buffer:
         header = torch.zeros(self.group_size, HEADER_WORDS + self.group_size, dtype=torch.int64)
         header[:, H_OP] = op
         header[:, H_ROUND] = self._round
+        self._nvlink_failure = self._nvlink_failure or self._check_nvlink_kernels()
+        if self._nvlink_failure:
+            header[:, H_STATUS] = STATUS_TRANSPORT_FAILED
         return header
+
+    def _check_nvlink_kernels(self) -> Optional[str]:
+        """The timeout an NVLink kernel of this rank recorded since the last call, if any (waits for this
+        rank's kernels: their status word is final only when they have finished)."""
+        if not self._nvlink_transports:
+            return None
+        torch.cuda.current_stream(self.device).synchronize()
+        for transport in self._nvlink_transports.values():
+            try:
+                transport.raise_if_failed()
+            except (EPTimeoutError, ValueError) as error:
+                return str(error)
+        return None
 
     @staticmethod
     def _fill_header(header: torch.Tensor, spec: dict) -> None:
@@ -663,6 +694,12 @@ class Buffer:
                 raise EPError(f"{name}: rank {r} is in {OP_NAMES.get(int(headers[r, H_OP]), '?')} call "
                               f"#{int(headers[r, H_ROUND])} while rank {self.rank} is in {name} call #{self._round}; "
                               f"every rank must make the same Buffer calls in the same order")
+        failed = [r for r in range(self.group_size) if int(headers[r, H_STATUS]) == STATUS_TRANSPORT_FAILED]
+        if failed:
+            self.transport.failure = f"an NVLink kernel failed on rank {failed[0]}"
+            own = f" (here: {self._nvlink_failure})" if self._nvlink_failure else ""
+            raise EPError(f"{name}: an NVLink kernel of rank(s) {failed} timed out in an earlier call{own}; this "
+                          f"buffer is unusable, make a new group and Buffer")
         if own_error is not None:
             raise own_error
         for r in range(self.group_size):

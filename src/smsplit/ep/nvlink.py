@@ -19,9 +19,12 @@ expert rank), signals, waits, and sums the slots of each token in fp32.
 Waits are bounded: a wait that passes ``timeout_s`` records (phase, peer, counts) in a pinned host
 word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank, peer and phase.
 
-Received tensors are views into the buffer: they stay valid until the next dispatch on this buffer.
-The next dispatch bumps their autograd version, so a backward that saved one raises instead of
-reading overwritten data; clone a received tensor to keep it longer.
+Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. The
+kernels do not wait for peers to finish with their buffers before writing into them: a caller must
+order calls so that no rank starts the next dispatch (or combine) while a peer still reads the
+previous one's results. `smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every
+call) and copies the results out. A dispatch bumps the buffer's autograd version, so a backward that
+saved a view raises instead of reading overwritten data.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import triton.language as tl
 from smsplit import ptx
 from smsplit.trace import record_block
 
+from .layout import align_up
 from .transport import EPTimeoutError
 
 SCALE_BLOCK = 128
-FP8_MAX = 448.0
 ALIGN = 256
 PHASES = ("notify", "dispatch", "combine")
 # local state words (per rank, not shared): [phase] arrivals per source seen so far,
@@ -249,7 +252,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
 def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr,
-                   out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, n_rows,
+                   out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
                    off_cx, off_cw, sig_off, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
@@ -328,8 +331,15 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
+    """Bytes of each region of the symmetric buffer: flags, the count matrix, the receive area (one row for
+    every token of every source, bf16-sized) with scales, top-k, weights and source index, and the combine
+    area (one slot per source rank and token)."""
+    rows = R * M
+    return {"signals": 3 * 64, "counts": R * R * 4,
+            "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
+            "weights": rows * K * 4, "src": rows * 4,
+            "cx": R * M * H * 2, "cw": R * M * K * 4}
 
 
 @dataclass
@@ -390,18 +400,10 @@ class NvlinkTransport:
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
-        R, M, H, K = self.num_ranks, max_tokens, hidden, max_topk
-        rows = R * M
-        sizes = {
-            "signals": 3 * 64, "counts": R * R * 4,
-            "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
-            "weights": rows * K * 4, "src": rows * 4,
-            "cx": R * M * H * 2, "cw": R * M * K * 4,
-        }
         self.offsets, total = {}, 0
-        for name, size in sizes.items():
+        for name, size in _region_bytes(self.num_ranks, max_tokens, hidden, max_topk).items():
             self.offsets[name] = total
-            total += _align(size)
+            total += align_up(size, ALIGN)
         self.nbytes = total
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
@@ -417,10 +419,7 @@ class NvlinkTransport:
     @staticmethod
     def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
-        R, M, H, K = num_ranks, max_tokens, hidden, max_topk
-        rows = R * M
-        return sum(_align(s) for s in (3 * 64, R * R * 4, rows * H * 2, rows * (H // SCALE_BLOCK) * 4,
-                                       rows * K * 8, rows * K * 4, rows * 4, R * M * H * 2, R * M * K * 4))
+        return sum(align_up(size, ALIGN) for size in _region_bytes(num_ranks, max_tokens, hidden, max_topk).values())
 
     # -- status ---------------------------------------------------------------------------------------
 
@@ -431,7 +430,7 @@ class NvlinkTransport:
             return
         if phase == 4:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
-                             f"num_worst_tokens={seen}; received rows past it were not written")
+                             f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
         name = PHASES[phase - 1]
         what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
         raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
@@ -469,6 +468,10 @@ class NvlinkTransport:
         if T > self.max_tokens or H != self.hidden or K > self.max_topk:
             raise ValueError(f"x: {T} tokens x {H} hidden, top-k {K} exceed the transport's "
                              f"max_tokens={self.max_tokens}, hidden={self.hidden}, max_topk={self.max_topk}")
+        for name, t in (("x", x), ("scales", scales), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                        ("is_token_in_rank", is_token_in_rank)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
         torch.autograd.graph.increment_version(self.buffer)
@@ -528,6 +531,8 @@ class NvlinkTransport:
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
             raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
                              f"got {y.dtype} {tuple(y.shape)}")
+        if y_weights is not None and not y_weights.is_contiguous():
+            raise ValueError("topk_weights: the kernels index rows densely; pass a contiguous tensor")
         K = y_weights.size(1) if y_weights is not None else 1
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
@@ -541,7 +546,7 @@ class NvlinkTransport:
             y.view(torch.uint8).view(torch.int32),
             y_weights if y_weights is not None else out, recv_src, layout.layout, layout.pos, self.bases,
             self.state, self._status_addr(), out, out_w if out_w is not None else out, T, H, K, R, self.rank,
-            self.max_tokens, layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
+            self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
             self.timeout_ns, VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2,
             HAS_WEIGHTS=y_weights is not None, TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
             num_warps=16,

@@ -1,8 +1,9 @@
 """The interface between `Buffer` and the code that moves bytes between ranks, and the errors it raises.
 
 `Buffer` validates arguments, computes layouts, quantizes to FP8, builds handles and wires autograd; a transport
-only moves data. Every transport implements the same four calls, so the GPU transports (SM push over NVLink, copy
-engine) slot in behind `Buffer` without API changes and are tested against `ReferenceTransport`:
+only moves data. `ReferenceTransport` implements these four calls; the NVLink kernels (`smsplit.ep.nvlink`) have an
+interface of their own (a fused dispatch with FP8 and top-k conversion inside the kernel) that `Buffer` calls
+for `backend="nvlink"`, keeping the reference transport for the host-side header exchange:
 
 1. `exchange_headers`: every rank sends one small int64 row to every rank (the notify step: counts, status,
    argument agreement). The result is on the host; this is where a missing peer is detected.
