@@ -371,7 +371,7 @@ def main() -> None:
     timeline.pop("_measured").save_png(
         str(measured_png), title=f"smsplit DualPipeV measured, {RANKS} ranks, {args.chunks} chunks (ms)")
     timeline.pop("_simulated").save_png(
-        str(simulated_png), title=f"simulate('dualpipev') from measured F/B/W/F&B (ms)")
+        str(simulated_png), title="simulate('dualpipev') from measured F/B/W/F&B (ms)")
 
     tokens = args.chunks * args.micro_batch * args.seq
     payload = {

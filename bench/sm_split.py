@@ -54,7 +54,7 @@ def traced_round(budget, a, b, src, dst, programs, block, warps, title, png, chr
             for _ in range(3):
                 torch.matmul(a, b)
     with torch.cuda.stream(budget.comm_stream):
-        for i in range(6):
+        for _ in range(6):
             sm_copy(dst, src, programs, trace=trace, name="copy", kind="comm", block=block, num_warps=warps)
     torch.cuda.synchronize()
     trace.save_png(png, title=title, num_sms=budget.total_sms)

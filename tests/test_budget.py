@@ -126,4 +126,4 @@ def test_closed_budget_refuses_its_streams():
     budget.close()
     budget.close()
     with pytest.raises(RuntimeError, match="closed"):
-        budget.comm_stream
+        _ = budget.comm_stream

@@ -206,7 +206,7 @@ class Trace:
         t0 = rows[:, 1].min()
         n_rows = num_sms or int(rows[:, 0].max()) + 1
         fig, ax = plt.subplots(figsize=(12, max(4.0, n_rows * 0.06)))
-        for tag_id, (name, kind) in enumerate(self.tags):
+        for tag_id, (_, kind) in enumerate(self.tags):
             mine = rows[rows[:, 3] == tag_id]
             if len(mine) == 0:
                 continue
