@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -28,11 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import concurrent_run, environment, time_ms, write_result  # noqa: E402
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from smsplit.ep.testing import free_port  # noqa: E402
 
 
 def _max_over_ranks(value: float, dev) -> float:
@@ -192,7 +187,7 @@ def main():
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.spawn(worker, args=(args.world, _free_port(), args, queue), nprocs=args.world, join=True)
+    mp.spawn(worker, args=(args.world, free_port(), args, queue), nprocs=args.world, join=True)
     res = queue.get(timeout=10)
     H = args.hidden
     for row in res["rows"]:

@@ -2,7 +2,6 @@
 match an independent computation from all ranks' inputs."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 from smsplit import ptx
 from smsplit.ep import nvlink
+from smsplit.ep.testing import free_port
 from smsplit.fp8 import quantize_1x128
 
 
@@ -46,10 +46,14 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
 
 # --- on GPUs --------------------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_nccl(rank, world, port):
+    """This process as rank `rank` of an NCCL group on cuda:rank; returns the device."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    return dev
 
 
 def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
@@ -66,11 +70,7 @@ def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
 
 
 def _worker(rank, world, port, cases):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     H, E, max_tokens = 2048, 32, 512
     transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
@@ -156,18 +156,14 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
         ((333, 222), 4, True, 1024),   # FP8, padded
         ((512, 512), 9, False, 0),     # reuse after padding, full size
     ]
-    mp.spawn(_worker, args=(2, _free_port(), cases), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
 
 
 def _buffer_worker(rank, world, port):
     """Buffer(backend="nvlink") against Buffer(backend="reference") on the same inputs."""
     from smsplit.ep import Buffer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     T, H, E, K = 256, 2048, 16, 6
     hint = Buffer.get_buffer_size_hint(T, H, world, K, backend="nvlink")
@@ -207,7 +203,7 @@ def _buffer_worker(rank, world, port):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_buffer_nvlink_backend_equals_reference_backend():
-    mp.spawn(_buffer_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_buffer_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):
@@ -234,7 +230,7 @@ def _num_sms_by_rank(rank):
 
 
 def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason():
-    mp.spawn(_buffer_refused_worker, args=(1, _free_port(), _nvlink_on_gloo, "backend", ["NCCL"]), nprocs=1,
+    mp.spawn(_buffer_refused_worker, args=(1, free_port(), _nvlink_on_gloo, "backend", ["NCCL"]), nprocs=1,
              join=True)
 
 
@@ -250,5 +246,5 @@ def test_notify_kernel_compiles_with_its_flags():
 
 def test_ranks_with_different_num_sms_all_refuse_the_buffer():
     # the NVLink kernels wait for as many programs from every peer as they run themselves
-    mp.spawn(_buffer_refused_worker, args=(2, _free_port(), _num_sms_by_rank, "num_sms", ["[20, 24]"]), nprocs=2,
+    mp.spawn(_buffer_refused_worker, args=(2, free_port(), _num_sms_by_rank, "num_sms", ["[20, 24]"]), nprocs=2,
              join=True)
