@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FIGURES, environment, write_result  # noqa: E402
 
+from smsplit.ep.testing import free_port  # noqa: E402
 from smsplit.moe.layer import GROUPED_MM_PATH  # noqa: E402
 from smsplit.moe.model import ModelConfig, Stage  # noqa: E402
 from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward  # noqa: E402
@@ -46,12 +46,6 @@ FULL = dict(dim=7168, inter_dim=2048, n_experts=256, topk=8, n_groups=8, topk_gr
             seq_len=4096, route_scale=2.5)
 SMOKE = dict(dim=256, inter_dim=64, n_experts=16, topk=4, n_groups=4, topk_groups=2, n_heads=4, tokens=256,
              seq_len=128, route_scale=2.5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Case:
@@ -282,7 +276,7 @@ def main(argv=None):
     world = 2
     if not args.smoke and torch.cuda.device_count() < world:
         parser.error(f"needs {world} GPUs (found {torch.cuda.device_count()}); use --smoke on a CPU")
-    mp.spawn(_worker, args=(world, _free_port(), args), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), args), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

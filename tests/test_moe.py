@@ -2,7 +2,6 @@
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from smsplit.ep.testing import free_port
 from smsplit.moe import ModelConfig, MoE, Router, build_stages, grouped_mm, group_limited_topk
 from smsplit.moe.layer import init_moe_
 from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward
@@ -156,12 +156,6 @@ def test_moe_layer_matches_dense_reference(alignment):
 # --- EP over two gloo ranks ---------------------------------------------------------------------------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ep_worker(rank, world, port, out_dir):
     from smsplit.ep import Buffer
 
@@ -211,7 +205,7 @@ def _ep_worker(rank, world, port, out_dir):
 
 def test_moe_expert_parallel_two_ranks_matches_single_process(tmp_path):
     world = 2
-    mp.spawn(_ep_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_ep_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         exact = r[False]

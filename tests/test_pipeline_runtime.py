@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from smsplit.ep.testing import free_port
 from smsplit.pipeline import DualPipe, DualPipeV, Linear, WeightGradStore, schedule, sum_stage_copies
 
 DIM, ROWS = 6, 2  # features, rows per micro-batch
@@ -335,19 +335,13 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _RESULTS: dict[int, list[dict]] = {}
 
 
 def results_for(world: int) -> list[dict]:
     if world not in _RESULTS:
         with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
             _RESULTS[world] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
     return _RESULTS[world]
 

@@ -110,6 +110,56 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+def driver_version_text(version: int) -> str:
+    """``12040`` -> ``"12.4"`` (the integer of ``cuDriverGetVersion``)."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+@dataclass(frozen=True)
+class GreenSmResource:
+    """A device's whole SM resource, as the driver offers it for green contexts."""
+
+    driver_version: int  # ``cuDriverGetVersion``, e.g. 12040
+    cu_device: object    # ``CUdevice``
+    resource: object     # ``CUdevResource`` of type SM, the input of ``cuDevSmResourceSplitByCount``
+
+    @property
+    def sm_count(self) -> int:
+        return self.resource.sm.smCount
+
+    @property
+    def min_partition_sms(self) -> int:
+        """As the driver reports it (may be 0)."""
+        return self.resource.sm.minSmPartitionSize
+
+    @property
+    def sm_alignment(self) -> int:
+        """As the driver reports it (may be 0)."""
+        return self.resource.sm.smCoscheduledAlignment
+
+
+def green_sm_resource(device_index: int) -> GreenSmResource:
+    """Query the driver for green-context support and device ``device_index``'s SM resource.
+
+    Raises SmBudgetError when cuda-bindings is missing, the driver has no green contexts (older than
+    12.4) or a driver call fails. Makes no context; does not touch torch.
+    """
+    driver = _driver()
+    _check(driver.cuInit(0), "cuInit")
+    version = _check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+    if version < 12040 or not hasattr(driver, "cuGreenCtxCreate"):
+        raise SmBudgetError(
+            f"the CUDA driver (version {driver_version_text(version)}) has no green "
+            "contexts (they need 12.4 or newer); use SmBudget(..., mode='grid')"
+        )
+    cu_device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+    sm = _check(
+        driver.cuDeviceGetDevResource(cu_device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+        "cuDeviceGetDevResource(SM)",
+    )
+    return GreenSmResource(version, cu_device, sm)
+
+
 class _GreenPartition:
     """Two complementary green contexts from one split of a device, each with one stream."""
 
@@ -118,21 +168,12 @@ class _GreenPartition:
         self.driver = driver
         torch.cuda.init()
         torch.cuda.synchronize(device_index)  # primary context exists and is current
-        _check(driver.cuInit(0), "cuInit")
-        version = _check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
-        if version < 12040 or not hasattr(driver, "cuGreenCtxCreate"):
-            raise SmBudgetError(
-                f"the CUDA driver (version {version // 1000}.{version % 1000 // 10}) has no green "
-                "contexts (they need 12.4 or newer); use SmBudget(..., mode='grid')"
-            )
-        self.cu_device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-        sm = _check(
-            driver.cuDeviceGetDevResource(self.cu_device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
-            "cuDeviceGetDevResource(SM)",
-        )
-        self.total_sms = sm.sm.smCount
-        self.min_partition = max(1, sm.sm.minSmPartitionSize)
-        self.alignment = max(1, sm.sm.smCoscheduledAlignment)
+        green = green_sm_resource(device_index)
+        self.cu_device = green.cu_device
+        sm = green.resource
+        self.total_sms = green.sm_count
+        self.min_partition = max(1, green.min_partition_sms)
+        self.alignment = max(1, green.sm_alignment)
         plan_split(comm_sms, self.total_sms, self.min_partition, self.alignment)  # the rounding leaves compute SMs
 
         groups, n_groups, remainder = _check(

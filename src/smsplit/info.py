@@ -6,25 +6,17 @@ import platform
 
 import torch
 
+from smsplit.budget import SmBudgetError, driver_version_text, green_sm_resource
+
 
 def _green_context_support(index: int) -> dict:
     try:
-        from cuda.bindings import driver
-    except ImportError:
-        return {"supported": False, "why": "cuda-bindings is not installed"}
-    err, = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return {"supported": False, "why": f"cuInit failed: {err.name}"}
-    _, version = driver.cuDriverGetVersion()
-    info = {"driver_api": f"{version // 1000}.{version % 1000 // 10}"}
-    if version < 12040 or not hasattr(driver, "cuGreenCtxCreate"):
-        return {**info, "supported": False, "why": "green contexts need CUDA driver 12.4+"}
-    _, dev = driver.cuDeviceGet(index)
-    err, sm = driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return {**info, "supported": False, "why": f"cuDeviceGetDevResource failed: {err.name}"}
-    return {**info, "supported": True, "sm_count": sm.sm.smCount,
-            "min_partition_sms": sm.sm.minSmPartitionSize, "sm_alignment": sm.sm.smCoscheduledAlignment}
+        green = green_sm_resource(index)
+    except SmBudgetError as e:
+        return {"supported": False, "why": str(e)}
+    return {"driver_api": driver_version_text(green.driver_version), "supported": True,
+            "sm_count": green.sm_count, "min_partition_sms": green.min_partition_sms,
+            "sm_alignment": green.sm_alignment}
 
 
 def _nvlink_count(index: int) -> int | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -46,12 +45,6 @@ def synthetic_batch(cfg: ModelConfig, batch: int, seed: int, step: int, slot: in
         choice = torch.multinomial(probs[tokens[:, t]], 1, generator=g).squeeze(1)
         tokens[:, t + 1] = successors[tokens[:, t], choice]
     return tokens
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _budget(comm_sms: int, device):
@@ -330,5 +323,7 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     summary_path = Path(out_dir) / "summary.json"
     summary_path.unlink(missing_ok=True)
-    mp.spawn(_worker, args=(world_size, _free_port(), opts), nprocs=world_size, join=True)
+    from smsplit.ep.testing import free_port
+
+    mp.spawn(_worker, args=(world_size, free_port(), opts), nprocs=world_size, join=True)
     return json.loads(summary_path.read_text())
