@@ -42,6 +42,7 @@ def worker(rank, world, port, args, queue):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     from smsplit.budget import SmBudget
+    from smsplit.ep.copy_engine import CopyEngineTransport
     from smsplit.ep.nvlink import NvlinkTransport
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
@@ -56,6 +57,11 @@ def worker(rank, world, port, args, queue):
         in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
     transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
                                 max_topk=K, timeout_s=60)
+    transports = {"nvlink": transport}
+    if "copy_engine" in args.transports:
+        transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
+                                                        max_tokens=T, hidden=H, max_topk=K,
+                                                        num_chunks=args.chunks, timeout_s=60)
     worst = world * T
 
     # layout and byte counts
@@ -75,24 +81,29 @@ def worker(rank, world, port, args, queue):
         return time_ms(fn, warmup=3, repeat=reps)["median_ms"]
 
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
-    for P in args.comm_sms:
-        transport.num_sms = P
-        row = {"comm_sms": P}
-        row["dispatch_bf16_cached_ms"] = timed(lambda: transport.dispatch(
-            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout))
-        row["dispatch_bf16_ms"] = timed(lambda: transport.dispatch(
+    layouts = {"nvlink": layout}
+    if "copy_engine" in transports:
+        layouts["copy_engine"] = transports["copy_engine"].layout(in_rank, worst)
+    for name, P in [(n, P) for n in args.transports for P in args.comm_sms]:
+        tr, lay = transports[name], layouts[name]
+        tr.num_sms = P
+        row = {"transport": name, "comm_sms": P}
+        row["dispatch_bf16_cached_ms"] = timed(lambda: tr.dispatch(
+            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
+        row["dispatch_bf16_ms"] = timed(lambda: tr.dispatch(
             x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst))
-        row["dispatch_fp8_cached_ms"] = timed(lambda: transport.dispatch(
-            x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=layout))
-        transport.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=layout)
-        row["combine_ms"] = timed(lambda: transport.combine(y, None, layout))
-        transport.raise_if_failed()
+        row["dispatch_fp8_cached_ms"] = timed(lambda: tr.dispatch(
+            x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=lay))
+        tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay)
+        row["combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+        torch.cuda.synchronize()
+        tr.raise_if_failed()
         for key in list(row):
             if key.endswith("_ms"):
                 row[key] = _max_over_ranks(row[key], dev)
         res["rows"].append(row)
         if rank == 0:
-            print(f"P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
+            print(f"{name:11s} P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
                   f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us, "
                   f"combine {row['combine_ms'] * 1e3:7.1f} us", flush=True)
 
@@ -141,14 +152,15 @@ def worker(rank, world, port, args, queue):
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     gemm_full = timed(lambda: torch.matmul(a, b), reps=10)
     conc = []
-    for asked in args.concurrent_sms:
+    for name, asked in [(n, a) for n in args.transports for a in args.concurrent_sms]:
         with SmBudget(asked, device=dev, mode="green") as budget:
-            transport.num_sms = budget.comm_sms
+            tr, lay = transports[name], layouts[name]
+            tr.num_sms = budget.comm_sms
 
             def comm():
-                transport.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
-                                   num_worst_tokens=worst, cached=layout)
-                transport.combine(y, None, layout)
+                tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
+                            num_worst_tokens=worst, cached=lay)
+                tr.combine(y, None, lay)
 
             with torch.cuda.stream(budget.comm_stream):
                 comm_alone = timed(comm)
@@ -156,15 +168,16 @@ def worker(rank, world, port, args, queue):
             n_comm = int(_max_over_ranks(max(4, int(1.4 * 20 * gemm_alone / comm_alone)), dev))  # same on all ranks
             dist.barrier(device_ids=[rank])
             g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20, n_comm)
-            transport.raise_if_failed()
-            entry = {"asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
+            torch.cuda.synchronize()
+            tr.raise_if_failed()
+            entry = {"transport": name, "asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
                      "gemm_full_gpu_ms": gemm_full, "gemm_alone_on_budget_ms": gemm_alone,
                      "gemm_concurrent_ms": statistics.median(g_in) if g_in else None,
                      "comm_alone_ms": comm_alone, "comm_concurrent_ms": statistics.median(c_in) if c_in else None,
                      "samples": [len(g_in), len(c_in)]}
             conc.append(entry)
             if rank == 0:
-                print(f"concurrent (comm {budget.comm_sms} SMs): GEMM full {gemm_full:.3f} ms, on budget "
+                print(f"{name} concurrent (comm {budget.comm_sms} SMs): GEMM full {gemm_full:.3f} ms, on budget "
                       f"{gemm_alone:.3f} ms, with comm {entry['gemm_concurrent_ms']} ms; fp8 dispatch+combine alone "
                       f"{comm_alone * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms']} ms", flush=True)
     res["concurrent"] = conc
@@ -183,6 +196,9 @@ def main():
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
     parser.add_argument("--concurrent-sms", type=int, nargs="+", default=[20])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--transports", nargs="+", default=["nvlink", "copy_engine"],
+                        choices=["nvlink", "copy_engine"])
+    parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     ctx = mp.get_context("spawn")

@@ -69,12 +69,21 @@ def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
     return torch.cat(rows_x), torch.cat(rows_k), torch.cat(rows_w), torch.cat(rows_src)
 
 
-def _worker(rank, world, port, cases):
+def _worker(rank, world, port, cases, kind="nvlink"):
+    """Dispatch/combine rounds of the `kind` transport ("nvlink" or "copy_engine") against the oracle."""
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     H, E, max_tokens = 2048, 32, 512
-    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
-                                       timeout_s=20)
+    if kind == "nvlink":
+        transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
+                                           timeout_s=20)
+        poison_from = transport.offsets["x"]
+    else:
+        from smsplit.ep.copy_engine import CopyEngineTransport
+
+        transport = CopyEngineTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
+                                        num_chunks=3, timeout_s=20)
+        poison_from = transport.offsets["sx"]
     num_local = E // world
     for case, (T_all, K, quantize, worst) in enumerate(cases):
         g = torch.Generator(device="cpu").manual_seed(1000 + case)
@@ -94,7 +103,7 @@ def _worker(rank, world, port, cases):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
         # poison the receive area between rounds
-        transport.buffer[transport.offsets["x"]:].fill_(0x7F)
+        transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
             xs[rank], None, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize,
             num_worst_tokens=worst)
@@ -102,7 +111,7 @@ def _worker(rank, world, port, cases):
         transport.raise_if_failed()
         ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
         n = ex.size(0)
-        assert int(layout.num_recv_tokens.item()) == n
+        assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
         assert rx.size(0) == (worst if worst else n)
         if quantize:  # the fused quantization is smsplit.fp8.quantize_1x128, bit for bit
             ref_q, ref_s = quantize_1x128(ex)
@@ -132,12 +141,14 @@ def _worker(rank, world, port, cases):
     # a peer that never arrives: rank 1 skips the dispatch, rank 0 must raise, naming rank 1
     transport.timeout_ns = int(2e9)
     if rank == 0:
-        x = torch.randn(16, H, device=dev, dtype=torch.bfloat16)
-        in_rank = torch.ones(16, world, dtype=torch.bool, device=dev)
-        try:
-            transport.dispatch(x, None, None, None, in_rank, num_local)
+        x = torch.randn(layout.num_tokens, H, device=dev, dtype=torch.bfloat16)
+        in_rank = torch.ones(layout.num_tokens, world, dtype=torch.bool, device=dev)
+        try:  # the copy-engine transport's layout is a collective: reuse the last one
+            transport.dispatch(x, None, None, None, in_rank, num_local, cached=layout if kind != "nvlink" else None)
+            torch.cuda.synchronize()
+            transport.raise_if_failed()
         except nvlink.EPTimeoutError as e:
-            assert e.peer == 1 and "notify" in e.phase, str(e)
+            assert e.peer == 1 and ("notify" in e.phase or "enter the dispatch" in e.phase), str(e)
         else:
             raise AssertionError("no timeout raised")
     dist.barrier(device_ids=[rank])
@@ -159,15 +170,15 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
 
 
-def _buffer_worker(rank, world, port):
-    """Buffer(backend="nvlink") against Buffer(backend="reference") on the same inputs."""
+def _buffer_worker(rank, world, port, backend="nvlink"):
+    """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs."""
     from smsplit.ep import Buffer
 
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     T, H, E, K = 256, 2048, 16, 6
-    hint = Buffer.get_buffer_size_hint(T, H, world, K, backend="nvlink")
-    fast = Buffer(group, num_nvl_bytes=hint, num_sms=8, backend="nvlink", timeout_s=30)
+    hint = Buffer.get_buffer_size_hint(T, H, world, K, backend=backend)
+    fast = Buffer(group, num_nvl_bytes=hint, num_sms=8, backend=backend, timeout_s=30)
     ref = Buffer(group, backend="reference", timeout_s=30)
     for seed in range(3):
         g = torch.Generator(device="cpu").manual_seed(100 * seed + rank)

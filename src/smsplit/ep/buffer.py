@@ -13,7 +13,8 @@ from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combin
 from .reference import ReferenceTransport
 from .transport import EPArgumentError, EPError, EPTimeoutError
 
-BACKENDS = ("auto", "reference", "nvlink")
+BACKENDS = ("auto", "reference", "nvlink", "copy_engine")
+DEVICE_BACKENDS = ("nvlink", "copy_engine")  # our kernels on symmetric memory, one node
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Header: one int64 row that every rank sends to every rank before any token moves.
@@ -43,6 +44,15 @@ def _status_code(error: EPArgumentError) -> int:
 
 
 STATUS_TRANSPORT_FAILED = 1000  # a GPU kernel of this rank recorded a timeout; every rank raises EPError
+
+
+def _transport_class(backend: str):
+    """The transport class of a device backend."""
+    if backend == "copy_engine":
+        from .copy_engine import CopyEngineTransport
+        return CopyEngineTransport
+    from .nvlink import NvlinkTransport
+    return NvlinkTransport
 
 
 def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optional[int], ...]) -> None:
@@ -86,7 +96,7 @@ class Buffer:
             demand (the GPU transports need it set: see `get_buffer_size_hint`).
         num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
         budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
-        backend: the transport in use ("reference" or "nvlink").
+        backend: the transport in use ("reference", "nvlink" or "copy_engine").
         device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
         timeout_s: the longest wait for a peer, in seconds.
         transport: the `Transport` that moves the bytes.
@@ -106,9 +116,10 @@ class Buffer:
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
                 buffer inside `torch.cuda.stream(budget.comm_stream)` to run them on the comm SMs.
             backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
-                kernels of `smsplit.ep.nvlink` over NVLink, NCCL groups of one node only; size `num_nvl_bytes` with
-                `get_buffer_size_hint(..., backend="nvlink")`), or "auto" (the reference: on our 2x H200 runs the
-                nvlink kernels are still slower than NCCL, see BENCHMARKS.md).
+                kernels of `smsplit.ep.nvlink`: SMs store tokens into peers' buffers over NVLink), "copy_engine"
+                (`smsplit.ep.copy_engine`: SMs pack and sum, the copy engines move the bytes), or "auto" (the
+                reference). "nvlink" and "copy_engine" need an NCCL group of one node; size `num_nvl_bytes` with
+                `get_buffer_size_hint(..., backend=...)`.
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
         """
         if group is None:
@@ -127,17 +138,17 @@ class Buffer:
         self.budget = budget
         self.num_sms = int(getattr(budget, "comm_sms", num_sms)) if budget is not None else num_sms
         self.timeout_s = float(timeout_s)
-        self.backend = "nvlink" if backend == "nvlink" else "reference"
+        self.backend = backend if backend in DEVICE_BACKENDS else "reference"
         if str(dist.get_backend(group)).lower() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        if self.backend == "nvlink" and self.device.type != "cuda":
-            raise _reject("backend", "backend='nvlink' moves CUDA tensors over NVLink: it needs an NCCL group "
+        if self.backend in DEVICE_BACKENDS and self.device.type != "cuda":
+            raise _reject("backend", f"backend={self.backend!r} moves CUDA tensors over NVLink: it needs an NCCL group "
                                      "(this group is gloo); use backend='reference'")
-        if self.backend == "nvlink" and num_nvl_bytes == 0:
-            raise _reject("num_nvl_bytes", "backend='nvlink' needs a receive buffer: size it with "
-                                           "Buffer.get_buffer_size_hint(..., backend='nvlink')")
+        if self.backend in DEVICE_BACKENDS and num_nvl_bytes == 0:
+            raise _reject("num_nvl_bytes", f"backend={self.backend!r} needs a receive buffer: size it with "
+                                           f"Buffer.get_buffer_size_hint(..., backend={self.backend!r})")
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
@@ -178,16 +189,15 @@ class Buffer:
             x_dtype: the dtype of the dispatched values (ignored when `fp8`).
             fp8: whether tokens travel as FP8 with scales.
             combine_dtype: the dtype of the combined values.
-            backend: "reference" (or "auto") or "nvlink". The nvlink transport's symmetric buffer holds a
-                bf16-sized receive area and a combine area for every source rank, and top-k columns for up to 16.
+            backend: "reference" (or "auto"), "nvlink" or "copy_engine". The nvlink transport's symmetric buffer
+                holds a bf16-sized receive area and a combine area for every source rank, and top-k columns for up
+                to 16; the copy_engine transport's a bf16-sized staging area per destination and a combine area.
 
         Returns:
             size: bytes.
         """
-        if backend == "nvlink":
-            from .nvlink import NvlinkTransport
-
-            return NvlinkTransport.buffer_bytes(num_ranks, num_max_tokens_per_rank, hidden, NVLINK_MAX_TOPK)
+        if backend in DEVICE_BACKENDS:
+            return _transport_class(backend).buffer_bytes(num_ranks, num_max_tokens_per_rank, hidden, NVLINK_MAX_TOPK)
         dispatch_bytes = dispatch_row_bytes(hidden, 1 if fp8 else torch.empty(0, dtype=x_dtype).element_size(),
                                             fp8, num_topk)
         combine_bytes = combine_row_bytes(hidden, torch.empty(0, dtype=combine_dtype).element_size(), num_topk)
@@ -471,7 +481,7 @@ class Buffer:
         """Whether this dispatch goes through the NVLink kernels (the same answer on every rank: it depends on
         arguments the header exchange has made agree). They move bf16 and FP8 values; anything else, and cached
         dispatches of layouts they did not make, take the reference transport."""
-        if self.backend != "nvlink" or values is None:
+        if self.backend not in DEVICE_BACKENDS or values is None:
             return False
         if values.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             return False
@@ -481,18 +491,17 @@ class Buffer:
         """The NVLink transport for this hidden size, made (collectively) at its first dispatch."""
         transport = self._nvlink_transports.get(hidden)
         if transport is None:
-            from .nvlink import NvlinkTransport
-
+            Transport = _transport_class(self.backend)
             tokens = 1
-            while NvlinkTransport.buffer_bytes(self.group_size, tokens * 2, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes:
+            while Transport.buffer_bytes(self.group_size, tokens * 2, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes:
                 tokens *= 2
             low, high = tokens, tokens * 2  # the largest token count that fits lies in [low, high)
             while high - low > 1:
                 mid = (low + high) // 2
-                fits = NvlinkTransport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
+                fits = Transport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
                 low, high = (mid, high) if fits else (low, mid)
-            transport = NvlinkTransport(self.group, self.device, self.num_sms, low, hidden, NVLINK_MAX_TOPK,
-                                        self.timeout_s)
+            transport = Transport(self.group, self.device, self.num_sms, low, hidden, NVLINK_MAX_TOPK,
+                                  timeout_s=self.timeout_s)
             self._nvlink_transports[hidden] = transport
         return transport
 
@@ -508,6 +517,8 @@ class Buffer:
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             handle.recv_src_idx = recv_src[:handle.num_recv_tokens].clone()
+        if not transport.returns_views:
+            return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
         return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
 
@@ -594,17 +605,18 @@ class Buffer:
 
         num_topk = topk_idx.size(1) if topk_idx is not None else (
             topk_weights.size(1) if topk_weights is not None else 0)
-        if self.backend == "nvlink" and hidden > 0:
+        if self.backend in DEVICE_BACKENDS and hidden > 0:
+            name = self.backend
             if hidden % SCALE_BLOCK:
-                raise _reject("x", f"the nvlink backend needs a hidden size that is a multiple of {SCALE_BLOCK}, "
+                raise _reject("x", f"the {name} backend needs a hidden size that is a multiple of {SCALE_BLOCK}, "
                                    f"got {hidden}")
-            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk, backend="nvlink")
+            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk, backend=name)
             if need > self.num_nvl_bytes:
                 raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes with the "
-                                               f"nvlink backend (get_buffer_size_hint(..., backend='nvlink')) but "
+                                               f"{name} backend (get_buffer_size_hint(..., backend={name!r})) but "
                                                f"the buffer has {self.num_nvl_bytes}")
             if num_topk > NVLINK_MAX_TOPK:
-                raise _reject("topk_idx", f"the nvlink backend moves up to {NVLINK_MAX_TOPK} top-k columns, got "
+                raise _reject("topk_idx", f"the {name} backend moves up to {NVLINK_MAX_TOPK} top-k columns, got "
                                           f"{num_topk}")
         elif self.num_nvl_bytes > 0 and hidden > 0:
             need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk,

@@ -5,7 +5,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from smsplit import ptx
+from smsplit.trace import record_block
+
+from .layout import align_up
+from .nvlink import ALIGN, SCALE_BLOCK, _pow2
+from .transport import EPTimeoutError
 
 
 class StreamOps:
@@ -51,3 +64,503 @@ class StreamOps:
         d = self._driver
         self._check(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(addr),
                                            value & 0xFFFFFFFF, self._fenced), "cuStreamWriteValue32")
+
+
+# --- kernels -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _wait_each(own_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, phase):
+    """Wait (thread 0, bounded) until ``own_ptr[first + s * stride] >= target`` for every rank s (but this
+    rank when ``skip_self``); on timeout record (phase, s, seen, target) and skip the later waits."""
+    failed = tl.load(status_ptr, volatile=True)
+    for s in range(R):
+        if (failed == 0) & ((skip_self == 0) | (s != rank)):
+            seen = ptx.wait_geq_sys(own_ptr + first + s * stride, target, timeout_ns)
+            if seen < target:  # only thread 0 can see this
+                tl.store(status_ptr + 1, s)
+                tl.store(status_ptr + 2, seen)
+                tl.store(status_ptr + 3, target)
+                tl.store(status_ptr, phase)
+                failed = 1
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["epoch"])
+def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, rank, R, NC, epoch, timeout_ns, phase):
+    """One program: tell every rank that this rank has entered call ``epoch`` of this phase, then wait
+    (bounded) until every rank has entered it and has acknowledged (``ack >= epoch - 1``) that it is done
+    with what this rank is about to overwrite. If a wait times out, write ``epoch`` into this rank's
+    ``force_off`` flags (``[R][NC]``) so that copy-engine streams waiting on them move on."""
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
+    own = tl.load(bases_ptr + rank)
+    own_ack = (own + ack_off).to(tl.pointer_type(tl.int32))
+    tl.store(own_ack + rank, epoch)  # this rank never waits for itself
+    for d in range(R):
+        arrive = (tl.load(bases_ptr + d) + arrive_off).to(tl.pointer_type(tl.int32))
+        ptx.st_release_sys(arrive + rank, epoch)
+    own_arrive = (own + arrive_off).to(tl.pointer_type(tl.int32))
+    _wait_each(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, phase)
+    _wait_each(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, phase + 1)
+    if tl.load(status_ptr, volatile=True) != 0:
+        force = (own + force_off).to(tl.pointer_type(tl.int32))
+        for i in range(R * NC):
+            tl.store(force + i, epoch)
+
+
+@triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
+def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, done_ptr,
+                recv_x, recv_scales, recv_topk, recv_weights, recv_src,
+                T, H, K, R, rank, M, NC, chunk_tokens, self_start, num_local_experts, epoch,
+                off_sx, off_ss, off_stopk, off_sw, off_ssrc, off_ready,
+                X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
+                HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+    """Token t goes to row ``pos[t, d]`` of destination d's staging area (this rank's symmetric buffer,
+    read by d's copy engine) or, for d == rank, straight to row ``self_start + pos[t, rank]`` of the
+    received tensors. Tokens go in NC chunks of ``chunk_tokens``; when every program has finished a
+    chunk, the last one release-stores ``epoch`` into ``ready[rank][chunk]`` of every other rank."""
+    if TRACE:
+        t_start = ptx.globaltimer()
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, RP)
+    own = tl.load(bases_ptr + rank)
+    vec = tl.arange(0, VEC)[None, :]
+    row_bytes = H * X_BYTES
+    n_vec = row_bytes // 16
+    vmask = vec < n_vec
+    n_groups = H // 128
+    grp = tl.arange(0, GROUPS)[None, :]
+    gmask = grp < n_groups
+    k = tl.arange(0, KP)[None, :]
+    kmask = k < K
+    for c in range(NC):
+        t_end = tl.minimum(T, (c + 1) * chunk_tokens)
+        for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
+            t = t0 + tl.arange(0, TB)
+            tmask = t < t_end
+            t64 = t.to(tl.int64)[:, None]
+            if QUANTIZE:
+                g3 = tl.arange(0, GROUPS)[None, :, None]
+                c3 = tl.arange(0, 128)[None, None, :]
+                m3 = tmask[:, None, None] & (g3 < n_groups)
+                xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
+                # smsplit.fp8.quantize_1x128, bit for bit: amax floored at 1e-4, IEEE divisions
+                amax = tl.maximum(tl.max(tl.abs(xf), axis=2), 1e-4)
+                fp8_max = tl.full(amax.shape, 448.0, tl.float32)
+                q = (xf * tl.math.div_rn(fp8_max, amax)[:, :, None]).to(tl.float8e4nv)
+                scale = tl.math.div_rn(amax, fp8_max)  # [TB, GROUPS]
+            else:
+                w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
+                if HAS_SCALES:
+                    scale = tl.load(scales_ptr + t64 * n_groups + grp, mask=tmask[:, None] & gmask)
+            if HAS_TOPK:
+                topk = tl.load(topk_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=-1)
+            if HAS_WEIGHTS:
+                weights = tl.load(weights_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=0.0)
+            pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+            for d in range(R):
+                p = tl.sum(tl.where(cols[None, :] == d, pos, 0), axis=1)
+                ok = (p >= 0)[:, None]
+                if d == rank:
+                    row = self_start + p.to(tl.int64)[:, None]
+                    x_dst = recv_x
+                    s_dst = recv_scales
+                    k_dst = recv_topk
+                    w_dst = recv_weights
+                    i_dst = recv_src
+                else:
+                    row = p.to(tl.int64)[:, None]
+                    slab = d * M  # destination d's rows in each staging region
+                    x_dst = own + off_sx + slab * row_bytes
+                    s_dst = own + off_ss + slab * n_groups * 4
+                    k_dst = own + off_stopk + slab * K * 8
+                    w_dst = own + off_sw + slab * K * 4
+                    i_dst = own + off_ssrc + slab * 4
+                if QUANTIZE:
+                    dst_q = (x_dst + row[:, :, None] * H).to(tl.pointer_type(tl.float8e4nv))
+                    tl.store(dst_q + g3 * 128 + c3, q, mask=ok[:, :, None] & (g3 < n_groups))
+                    dst_s = (s_dst + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(dst_s + grp, scale, mask=ok & gmask)
+                else:
+                    dst = (x_dst + row * row_bytes).to(tl.pointer_type(tl.int32))
+                    ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)
+                    if HAS_SCALES:
+                        dst_s = (s_dst + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                        tl.store(dst_s + grp, scale, mask=ok & gmask)
+                if HAS_TOPK:
+                    local = topk - d * num_local_experts
+                    local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
+                    tl.store((k_dst + row * K * 8).to(tl.pointer_type(tl.int64)) + k, local, mask=ok & kmask)
+                if HAS_WEIGHTS:
+                    tl.store((w_dst + row * K * 4).to(tl.pointer_type(tl.float32)) + k, weights, mask=ok & kmask)
+                tl.store((i_dst + row * 4).to(tl.pointer_type(tl.int32)), t[:, None], mask=ok)
+        tl.debug_barrier()
+        ptx.fence_acq_rel_sys()
+        old = tl.atomic_add(done_ptr + c, 1, sem="acq_rel", scope="gpu")
+        if old == programs - 1:
+            tl.store(done_ptr + c, 0)
+            ptx.fence_acq_rel_sys()
+            for d in range(R):
+                if d != rank:
+                    ready = (tl.load(bases_ptr + d) + off_ready).to(tl.pointer_type(tl.int32))
+                    ptx.st_release_sys(ready + rank * NC + c, epoch)
+    if TRACE:
+        record_block(trace_ptr, trace_tag, t_start)
+
+
+@triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
+def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, out_ptr, out_w_ptr,
+                  T, H, K, R, rank, M, NC, chunk_tokens, self_start, epoch,
+                  off_cx, off_cw, off_cready, off_cack, timeout_ns,
+                  HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+    """Sum, for each of this rank's tokens, its rows from the ranks it went to (fp32) into out (bf16):
+    its own rank's row straight from y, the others' from the combine area, where the copy engines of
+    those ranks put them. Chunk by chunk: wait (bounded) until every rank has flagged the chunk. At the
+    end the last program release-stores ``epoch`` into ``combine_ack[rank]`` of every other rank."""
+    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
+    if TRACE:
+        t_start = ptx.globaltimer()
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, RP)
+    own = tl.load(bases_ptr + rank)
+    cready = (own + off_cready).to(tl.pointer_type(tl.int32))
+    h = tl.arange(0, HB)[None, :]
+    hmask = h < H
+    k = tl.arange(0, KP)[None, :]
+    kmask = k < K
+    for c in range(NC):
+        _wait_each(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, 7)
+        t_end = tl.minimum(T, (c + 1) * chunk_tokens)
+        for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
+            t = t0 + tl.arange(0, TB)
+            tmask = t < t_end
+            t64 = t.to(tl.int64)[:, None]
+            pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+            acc = tl.zeros((TB, HB), dtype=tl.float32)
+            acc_w = tl.zeros((TB, KP), dtype=tl.float32)
+            for d in range(R):
+                p = tl.sum(tl.where(cols[None, :] == d, pos, 0), axis=1).to(tl.int64)[:, None]
+                ok = p >= 0
+                if d == rank:
+                    row = self_start + p
+                    acc += tl.load(y_ptr + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
+                    if HAS_WEIGHTS:
+                        acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
+                else:
+                    slot = d * M + p
+                    src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
+                    acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    if HAS_WEIGHTS:
+                        src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
+                        acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
+            if HAS_WEIGHTS:
+                tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
+    tl.debug_barrier()
+    old = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == programs - 1:
+        tl.store(exit_ptr, 0)
+        ptx.fence_acq_rel_sys()
+        for d in range(R):
+            if d != rank:
+                ack = (tl.load(bases_ptr + d) + off_cack).to(tl.pointer_type(tl.int32))
+                ptx.st_release_sys(ack + rank, epoch)
+    if TRACE:
+        record_block(trace_ptr, trace_tag, t_start)
+
+
+# --- host side ---------------------------------------------------------------------------------------
+
+PHASES = {5: "dispatch: waiting for rank {peer} to enter the dispatch",
+          6: "dispatch: waiting for rank {peer} to finish copying the previous dispatch",
+          7: "combine: waiting for rank {peer}'s rows",
+          8: "combine: waiting for rank {peer} to enter the combine",
+          9: "combine: waiting for rank {peer} to finish the previous combine"}
+
+
+def _region_bytes(R: int, M: int, H: int, K: int, NC: int) -> dict:
+    """Bytes of each region of the symmetric buffer: the flags, the staging area (this rank's tokens packed per
+    destination, bf16-sized rows, with scales, top-k, weights and source index), the combine area (the rows
+    other ranks send back, one slot per rank and token)."""
+    rows = R * M
+    return {"ready": R * NC * 4, "combine_ready": R * NC * 4, "dispatch_arrive": R * 4, "combine_arrive": R * 4,
+            "dispatch_ack": R * 4, "combine_ack": R * 4,
+            "sx": rows * H * 2, "ss": rows * (H // SCALE_BLOCK) * 4, "stopk": rows * K * 8, "sw": rows * K * 4,
+            "ssrc": rows * 4, "cx": rows * H * 2, "cw": rows * K * 4}
+
+
+@dataclass
+class CopyEngineLayout:
+    """Host and device layout of one dispatch, kept for its combine.
+
+    Attributes:
+        pos: ``[num_tokens, num_ranks]`` int32 on the device: the token's row among this rank's tokens for each
+            destination, -1 where it does not go.
+        counts: ``[num_ranks, num_chunks, num_ranks]`` host array: tokens from rank s's chunk c to rank d.
+        num_tokens: tokens on this rank.
+        chunk_tokens: tokens per chunk on this rank.
+        recv_start: ``num_ranks + 1`` host ints: where each source's rows start in the received tensors.
+        num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
+    """
+
+    pos: torch.Tensor
+    counts: np.ndarray
+    num_tokens: int
+    chunk_tokens: int
+    recv_start: list
+    num_recv_rows: int
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return self.recv_start[-1]
+
+
+class CopyEngineTransport:
+    """Dispatch/combine between the GPUs of one node with the copy engines moving the bytes (module docstring).
+
+    Args:
+        group: NCCL process group, one rank per GPU, all GPUs NVLink peers.
+        device: this rank's GPU.
+        num_sms: programs of the pack and reduce kernels (at most the SMs the caller's stream can reach).
+        max_tokens: the most tokens any rank dispatches in one call.
+        hidden: hidden size (a multiple of 128).
+        max_topk: the largest top-k (up to 16).
+        num_chunks: pieces each rank's tokens are cut into, so that packing, copying and summing overlap.
+        num_copy_streams: streams the copies are spread over (peers round-robin).
+        timeout_s: the longest a kernel waits for a peer before recording a timeout.
+    """
+
+    returns_views = False  # fresh received tensors: Buffer need not copy them
+
+    def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
+                 max_topk: int = 16, num_chunks: int = 8, num_copy_streams: int = 2, timeout_s: float = 60.0):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hidden % SCALE_BLOCK:
+            raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
+        if not 1 <= max_topk <= 16:
+            raise ValueError(f"max_topk must be in 1..16, got {max_topk}")
+        if num_sms < 1 or num_chunks < 1 or num_copy_streams < 1:
+            raise ValueError(f"num_sms, num_chunks and num_copy_streams must be >= 1, got {num_sms}, {num_chunks}, "
+                             f"{num_copy_streams}")
+        self.group = group
+        self.rank, self.num_ranks = group.rank(), group.size()
+        self.device = torch.device(device)
+        self.num_sms, self.num_chunks = num_sms, num_chunks
+        self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
+        self.tokens_per_step = 4
+        self.timeout_s, self.timeout_ns = timeout_s, int(timeout_s * 1e9)
+        self.offsets, total = {}, 0
+        for name, size in _region_bytes(self.num_ranks, max_tokens, hidden, max_topk, num_chunks).items():
+            self.offsets[name] = total
+            total += align_up(size, ALIGN)
+        self.nbytes = total
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.buffer[: self.offsets["sx"]].zero_()
+        self.base_addrs = list(self.handle.buffer_ptrs)
+        self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)
+        self.done = torch.zeros(num_chunks + 1, dtype=torch.int32, device=self.device)  # pack chunks, reduce exit
+        self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.ops = StreamOps(self.device)
+        self.copy_streams = [torch.cuda.Stream(self.device) for _ in range(num_copy_streams)]
+        self.dispatch_epoch = 0
+        self.combine_epoch = 0
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group, device_ids=[self.device.index])
+
+    @staticmethod
+    def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16, num_chunks: int = 8) -> int:
+        """Bytes of the symmetric buffer each rank allocates."""
+        return sum(align_up(size, ALIGN)
+                   for size in _region_bytes(num_ranks, max_tokens, hidden, max_topk, num_chunks).values())
+
+    # -- status ---------------------------------------------------------------------------------------
+
+    def raise_if_failed(self) -> None:
+        """Raise EPTimeoutError if a kernel recorded a timeout (reads pinned host memory; no sync)."""
+        phase, peer, seen, expected = self.status.tolist()
+        if phase == 0:
+            return
+        what = PHASES.get(phase, "phase {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
+        raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+
+    def _flag(self, rank: int, name: str, index: int) -> int:
+        return self.base_addrs[rank] + self.offsets[name] + 4 * index
+
+    # -- layout ---------------------------------------------------------------------------------------
+
+    def layout(self, is_token_in_rank: torch.Tensor, num_worst_tokens: int = 0) -> CopyEngineLayout:
+        """Where every token goes, from every rank's ``is_token_in_rank`` (a collective: an NCCL all-gather of
+        per-chunk counts, then a host copy). Raises ValueError on every rank if any rank would receive more
+        than ``num_worst_tokens`` rows (when it is > 0)."""
+        R, NC = self.num_ranks, self.num_chunks
+        T = is_token_in_rank.size(0)
+        chunk = max(1, -(-T // NC))
+        in_rank = is_token_in_rank.to(torch.int32)
+        pos = torch.where(is_token_in_rank, torch.cumsum(in_rank, 0, dtype=torch.int32) - 1, -1).contiguous()
+        chunk_of = torch.arange(T, device=self.device) // chunk
+        per_chunk = torch.zeros(NC, R, dtype=torch.int64, device=self.device).index_add_(0, chunk_of, in_rank.long())
+        gathered = torch.empty(R, NC, R, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(gathered, per_chunk, group=self.group)
+        counts = gathered.cpu().numpy()
+        totals = counts.sum(axis=(0, 1))  # rows each rank receives
+        if num_worst_tokens and int(totals.max()) > num_worst_tokens:
+            worst = int(totals.argmax())
+            raise ValueError(f"num_worst_tokens: rank {worst} receives {int(totals[worst])} tokens, more than "
+                             f"num_worst_tokens={num_worst_tokens}")
+        recv = counts[:, :, self.rank].sum(axis=1)
+        recv_start = [0] + np.cumsum(recv).tolist()
+        return CopyEngineLayout(pos, counts, T, chunk, [int(v) for v in recv_start],
+                                num_worst_tokens or int(recv_start[-1]))
+
+    # -- dispatch / combine ---------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int,
+                 quantize: bool = False, num_worst_tokens: int = 0, cached: CopyEngineLayout | None = None,
+                 trace=None):
+        """Send each token to the ranks in ``is_token_in_rank``; the same contract as
+        `smsplit.ep.nvlink.NvlinkTransport.dispatch`, but the received tensors are fresh (not views)."""
+        self.raise_if_failed()
+        R, NC, T, H, me = self.num_ranks, self.num_chunks, x.size(0), x.size(1), self.rank
+        K = topk_idx.size(1) if topk_idx is not None else (topk_weights.size(1) if topk_weights is not None else 0)
+        if T > self.max_tokens or H != self.hidden or K > self.max_topk:
+            raise ValueError(f"x: {T} tokens x {H} hidden, top-k {K} exceed the transport's "
+                             f"max_tokens={self.max_tokens}, hidden={self.hidden}, max_topk={self.max_topk}")
+        for name, t in (("x", x), ("scales", scales), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                        ("is_token_in_rank", is_token_in_rank)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
+        if cached is not None:
+            if cached.num_tokens != T:
+                raise ValueError(f"cached: the cached layout is for {cached.num_tokens} tokens, x has {T}")
+            layout = cached
+        else:
+            layout = self.layout(is_token_in_rank, num_worst_tokens)
+        rows, total = layout.num_recv_rows, layout.num_recv_tokens
+        x_bytes = 1 if (quantize or x.dtype == torch.float8_e4m3fn) else 2
+        G = H // SCALE_BLOCK
+        stream = torch.cuda.current_stream(self.device)
+        dev = self.device
+        recv_x = torch.empty(rows, H, dtype=torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, device=dev)
+        recv_scales = torch.empty(rows, G, dtype=torch.float32, device=dev) if (quantize or scales is not None) else None
+        recv_topk = torch.empty(rows, K, dtype=torch.int64, device=dev) if topk_idx is not None else None
+        recv_weights = torch.empty(rows, K, dtype=torch.float32, device=dev) if topk_weights is not None else None
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        self.dispatch_epoch += 1
+        epoch = self.dispatch_epoch
+        gate_kernel[(1,)](self.bases, self.offsets["dispatch_arrive"], self.offsets["dispatch_ack"],
+                          self.offsets["ready"], self.status.data_ptr(), me, R, NC, epoch, self.timeout_ns, 5,
+                          num_warps=1)
+        entered = torch.cuda.Event()
+        entered.record(stream)
+        addr = lambda t: recv_x.data_ptr() if t is None else t.data_ptr()
+        trace_view, tag = trace.slots(self.num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
+        pack_kernel[(self.num_sms,)](
+            x if quantize else x.view(torch.uint8).view(torch.int32), scales if scales is not None else recv_src,
+            topk_idx if topk_idx is not None else recv_src, topk_weights if topk_weights is not None else recv_src,
+            layout.pos, self.bases, self.done, addr(recv_x), addr(recv_scales), addr(recv_topk), addr(recv_weights),
+            addr(recv_src), T, H, max(K, 1), R, me, self.max_tokens, NC, layout.chunk_tokens,
+            layout.recv_start[me], num_local_experts, epoch,
+            self.offsets["sx"], self.offsets["ss"], self.offsets["stopk"], self.offsets["sw"], self.offsets["ssrc"],
+            self.offsets["ready"],
+            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
+            HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(G),
+            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
+            trace_ptr=trace_view, trace_tag=tag, num_warps=8,
+        )
+        row_bytes = H * x_bytes
+        finished = []
+        for i, s in enumerate(p for p in range(R) if p != me):
+            cs = self.copy_streams[i % len(self.copy_streams)]
+            cs.wait_event(entered)
+            base, slab, at = self.base_addrs[s], me * self.max_tokens, layout.recv_start[s]
+            n_prev = 0
+            for c in range(NC):
+                n = int(layout.counts[s, c, me])
+                if n == 0 and c < NC - 1:
+                    continue
+                self.ops.wait_geq(cs, self._flag(me, "ready", s * NC + c), epoch)
+                self.ops.memcpy(cs, recv_x.data_ptr() + (at + n_prev) * row_bytes,
+                                base + self.offsets["sx"] + (slab + n_prev) * row_bytes, n * row_bytes)
+                if recv_scales is not None:
+                    self.ops.memcpy(cs, recv_scales.data_ptr() + (at + n_prev) * G * 4,
+                                    base + self.offsets["ss"] + (slab + n_prev) * G * 4, n * G * 4)
+                n_prev += n
+            for t, name, width in ((recv_topk, "stopk", K * 8), (recv_weights, "sw", K * 4), (recv_src, "ssrc", 4)):
+                if t is not None:
+                    self.ops.memcpy(cs, t.data_ptr() + at * width, base + self.offsets[name] + slab * width,
+                                    n_prev * width)
+            self.ops.write(cs, self._flag(s, "dispatch_ack", me), epoch)
+            done = torch.cuda.Event()
+            done.record(cs)
+            finished.append(done)
+        for done in finished:
+            stream.wait_event(done)
+        if rows > total:  # num_worst_tokens padding
+            recv_x[total:].view(torch.uint8).zero_()
+            for t, fill in ((recv_scales, 0), (recv_topk, -1), (recv_weights, 0), (recv_src, -1)):
+                if t is not None:
+                    t[total:].fill_(fill)
+        return recv_x, recv_scales, recv_topk, recv_weights, recv_src, layout
+
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: CopyEngineLayout, trace=None,
+                recv_src: torch.Tensor | None = None):
+        """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum, per
+        token, the rows that come back (fp32). Returns ``(bf16 [num_tokens, hidden], fp32 [num_tokens, K] or
+        None)``. ``recv_src`` is accepted for the NVLink transport's signature and not needed."""
+        self.raise_if_failed()
+        R, NC, T, H, me = self.num_ranks, self.num_chunks, layout.num_tokens, self.hidden, self.rank
+        if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
+            raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
+                             f"got {y.dtype} {tuple(y.shape)}")
+        if y_weights is not None and (not y_weights.is_contiguous() or y_weights.size(0) != layout.num_recv_rows):
+            raise ValueError("topk_weights: expected a contiguous tensor with a row per received token")
+        K = y_weights.size(1) if y_weights is not None else 1
+        stream = torch.cuda.current_stream(self.device)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
+        self.combine_epoch += 1
+        epoch = self.combine_epoch
+        gate_kernel[(1,)](self.bases, self.offsets["combine_arrive"], self.offsets["combine_ack"],
+                          self.offsets["combine_ready"], self.status.data_ptr(), me, R, NC, epoch, self.timeout_ns, 8,
+                          num_warps=1)
+        entered = torch.cuda.Event()
+        entered.record(stream)
+        finished = []
+        for i, d in enumerate(p for p in range(R) if p != me):
+            cs = self.copy_streams[i % len(self.copy_streams)]
+            cs.wait_event(entered)
+            base, slab, at = self.base_addrs[d], me * self.max_tokens, layout.recv_start[d]
+            n_prev = 0
+            for c in range(NC):
+                n = int(layout.counts[d, c, me])
+                self.ops.memcpy(cs, base + self.offsets["cx"] + (slab + n_prev) * H * 2,
+                                y.data_ptr() + (at + n_prev) * H * 2, n * H * 2)
+                if y_weights is not None:
+                    self.ops.memcpy(cs, base + self.offsets["cw"] + (slab + n_prev) * K * 4,
+                                    y_weights.data_ptr() + (at + n_prev) * K * 4, n * K * 4)
+                self.ops.write(cs, self._flag(d, "combine_ready", me * NC + c), epoch)
+                n_prev += n
+            done = torch.cuda.Event()
+            done.record(cs)
+            finished.append(done)
+        trace_view, tag = trace.slots(self.num_sms, "reduce", "comm") if trace is not None else (out, 0)
+        reduce_kernel[(self.num_sms,)](
+            y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
+            self.status.data_ptr(), out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
+            layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],
+            self.offsets["combine_ready"], self.offsets["combine_ack"], self.timeout_ns,
+            HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2, HAS_WEIGHTS=y_weights is not None,
+            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=16,
+        )
+        for done in finished:
+            stream.wait_event(done)
+        return out, out_w

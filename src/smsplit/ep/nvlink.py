@@ -380,6 +380,8 @@ class NvlinkTransport:
         timeout_s: the longest a kernel waits for a peer before recording a timeout.
     """
 
+    returns_views = True  # received tensors live in the symmetric buffer: Buffer copies them out
+
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
                  max_topk: int = 16, timeout_s: float = 60.0):
         import torch.distributed._symmetric_memory as symm_mem

@@ -1,0 +1,72 @@
+"""The copy-engine transport: its kernels compile for sm_90 with the PTX they need (CPU); on 2 GPUs
+dispatch/combine match an independent computation from all ranks' inputs (tests/test_ep_nvlink.py's
+oracle), over many rounds with different layouts."""
+
+import pytest
+import torch.multiprocessing as mp
+
+from smsplit import ptx
+from smsplit.ep import copy_engine
+from smsplit.ep.testing import free_port
+
+
+def test_copy_engine_kernels_compile_with_their_ptx():
+    text, cubin = ptx.compile_for_sm90(
+        copy_engine.gate_kernel,
+        {"bases_ptr": "*i64", "arrive_off": "i64", "ack_off": "i64", "force_off": "i64", "status_addr": "i64",
+         "rank": "i32", "R": "i32", "NC": "i32", "epoch": "i32", "timeout_ns": "i64", "phase": "i32"}, num_warps=1)
+    assert ptx.INSTRUCTIONS["st_release_sys"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text and cubin
+    sig = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
+           "bases_ptr": "*i64", "done_ptr": "*i32", "recv_x": "i64", "recv_scales": "i64", "recv_topk": "i64",
+           "recv_weights": "i64", "recv_src": "i64", "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32",
+           "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32", "num_local_experts": "i32",
+           "epoch": "i32", "off_sx": "i64", "off_ss": "i64", "off_stopk": "i64", "off_sw": "i64", "off_ssrc": "i64",
+           "off_ready": "i64", "X_BYTES": "constexpr", "QUANTIZE": "constexpr", "HAS_SCALES": "constexpr",
+           "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr", "GROUPS": "constexpr",
+           "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64",
+           "trace_tag": "i32"}
+    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "HAS_TOPK": True, "HAS_WEIGHTS": True,
+              "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4, "TRACE": False}
+    text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, sig, consts, num_warps=8)
+    for name in ("ld_global_nc_v4", "st_global_na_v4", "st_release_sys", "fence_acq_rel_sys"):
+        assert ptx.INSTRUCTIONS[name] in text, name
+    text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, dict(sig, x_ptr="*bf16"),
+                                   dict(consts, QUANTIZE=True, X_BYTES=1), num_warps=8)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the packing
+    sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "bases_ptr": "*i64", "exit_ptr": "*i32",
+           "status_addr": "i64", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",
+           "R": "i32", "rank": "i32", "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32",
+           "epoch": "i32", "off_cx": "i64", "off_cw": "i64", "off_cready": "i64", "off_cack": "i64",
+           "timeout_ns": "i64", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr",
+           "HAS_WEIGHTS": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+    text, _ = ptx.compile_for_sm90(copy_engine.reduce_kernel, sig, {"HB": 8192, "KP": 16, "RP": 2, "TB": 2,
+                                                                   "HAS_WEIGHTS": True, "TRACE": False}, num_warps=16)
+    assert ptx.INSTRUCTIONS["ld_acquire_sys"] in text and ptx.INSTRUCTIONS["st_release_sys"] in text
+
+
+# --- on GPUs --------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_copy_engine_dispatch_combine_match_reference_on_two_gpus():
+    from test_ep_nvlink import _worker
+
+    cases = [
+        ((300, 200), 8, False, 0),     # random top-8 with drops
+        ((256, 100), 6, False, 0),     # every token to rank 0
+        ((0, 300), 9, False, 0),       # rank 0 sends nothing
+        ((400, 512), 8, True, 0),      # FP8 fused quantization
+        ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
+        ((333, 222), 4, True, 1024),   # FP8, padded
+        ((512, 512), 9, False, 0),     # reuse after padding, full size
+        ((5, 2), 3, False, 0),         # fewer tokens than chunks
+    ]
+    mp.spawn(_worker, args=(2, free_port(), cases, "copy_engine"), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_buffer_copy_engine_backend_equals_reference_backend():
+    from test_ep_nvlink import _buffer_worker
+
+    mp.spawn(_buffer_worker, args=(2, free_port(), "copy_engine"), nprocs=2, join=True)
