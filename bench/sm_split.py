@@ -10,6 +10,10 @@ For comm_sms in {8, 16, 24, 32} and modes green (hardware partition) and grid (n
 
 Run on one H200:  PYTHONPATH=src python3 bench/sm_split.py
 Writes bench/results/sm_split.json and bench/figures/sm_split_*.png / *_trace.json.
+
+``--copy-method ldst tma`` measures both copy methods of ``sm_copy`` on the same budgets in one run
+(rows carry ``copy_method``); any method list other than the default ``ldst`` writes
+bench/results/sm_split_<methods>.json and figures named after the method instead.
 """
 
 from __future__ import annotations
@@ -37,10 +41,30 @@ def copy_gbps(ms: float, nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
 
 
-def traced_round(budget, a, b, src, dst, programs, block, warps, title, png, chrome):
+def parse_shape(method: str, text: str) -> dict:
+    """``BLOCKxWARPS`` (ldst) or ``BLOCKxWARPSxSTAGES`` (tma) as ``sm_copy`` keyword arguments."""
+    parts = [int(x) for x in text.split("x")]
+    if len(parts) != (3 if method == "tma" else 2):
+        raise SystemExit(f"copy shape {text!r} for method {method}: expected "
+                         + ("BLOCKxWARPSxSTAGES" if method == "tma" else "BLOCKxWARPS"))
+    shape = {"block": parts[0], "num_warps": parts[1]}
+    if method == "tma":
+        shape["stages"] = parts[2]
+    return shape
+
+
+# Shapes swept on the full GPU with 24 programs. ldst: BLOCKxWARPS, one tile of BLOCK 16-byte vectors
+# in flight per program. tma: BLOCKxWARPSxSTAGES, STAGES - 1 tiles of BLOCK vectors being loaded per
+# program (STAGES * BLOCK * 16 bytes of shared memory, at most 227 KiB).
+SWEEP = {"ldst": ("2048x8", "4096x16", "8192x16", "8192x32"),
+         "tma": ("1024x4x8", "1024x4x12", "512x4x16", "2048x4x6", "2048x8x4", "4096x4x3")}
+DEFAULT_SHAPE = {"ldst": "4096x16", "tma": "1024x4x8"}
+
+
+def traced_round(budget, a, b, src, dst, programs, copy_kw, title, png, chrome):
     warm = Trace(budget.device)  # compile the traced kernels before the timed launches
     with torch.cuda.stream(budget.comm_stream):
-        sm_copy(dst, src, programs, trace=warm, block=block, num_warps=warps)
+        sm_copy(dst, src, programs, trace=warm, **copy_kw)
     warm.probe(budget.compute_stream, "warm-up")
     torch.cuda.synchronize()
     trace = Trace(budget.device)
@@ -49,13 +73,12 @@ def traced_round(budget, a, b, src, dst, programs, block, warps, title, png, chr
     gate.record()
     budget.compute_stream.wait_event(gate)
     budget.comm_stream.wait_event(gate)
-    with trace.span(budget.compute_stream, "gemm (cuBLAS)", kind="compute"):
-        with torch.cuda.stream(budget.compute_stream):
-            for _ in range(3):
-                torch.matmul(a, b)
+    with trace.span(budget.compute_stream, "gemm (cuBLAS)", kind="compute"), torch.cuda.stream(budget.compute_stream):
+        for _ in range(3):
+            torch.matmul(a, b)
     with torch.cuda.stream(budget.comm_stream):
         for _ in range(6):
-            sm_copy(dst, src, programs, trace=trace, name="copy", kind="comm", block=block, num_warps=warps)
+            sm_copy(dst, src, programs, trace=trace, name="copy", kind="comm", **copy_kw)
     torch.cuda.synchronize()
     trace.save_png(png, title=title, num_sms=budget.total_sms)
     trace.save_chrome(chrome)
@@ -75,9 +98,17 @@ def main():
                         help="modes also measured with the copy's lines marked evict-first in L2")
     parser.add_argument("--green-programs-per-sm", type=int, default=1,
                         help="copy programs per comm SM in green mode (grid mode always runs one per comm SM)")
-    parser.add_argument("--copy-shape", default="4096x16",
-                        help="BLOCKxWARPS of the comm copy for the split rows ('best': fastest of the sweep)")
+    parser.add_argument("--copy-method", nargs="+", choices=["ldst", "tma"], default=["ldst"],
+                        help="sm_copy method(s), each measured on the same budgets: ldst (16-byte ld/st per "
+                             "thread) or tma (pipelined TMA bulk copies through shared memory; sm_90+)")
+    parser.add_argument("--copy-shape", default=DEFAULT_SHAPE["ldst"],
+                        help="BLOCKxWARPS of the ldst copy for the split rows ('best': fastest of the sweep)")
+    parser.add_argument("--tma-shape", default=DEFAULT_SHAPE["tma"],
+                        help="BLOCKxWARPSxSTAGES of the tma copy for the split rows ('best': fastest of the sweep)")
     args = parser.parse_args()
+    methods = list(dict.fromkeys(args.copy_method))
+    requested_shape = {"ldst": args.copy_shape, "tma": args.tma_shape}
+    stem = "sm_split" if methods == ["ldst"] else "sm_split_" + "_".join(methods)
 
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
@@ -89,16 +120,19 @@ def main():
     nbytes = src.nbytes
     gemm = lambda: torch.matmul(a, b)  # noqa: E731
 
-    # check both kernels against references once
+    # check the kernels against references once
     ref = (a[:256].float() @ b.float())
     err = ((gemm()[:256].float() - ref).norm() / ref.norm()).item()
-    sm_copy(dst, src, 24)
-    torch.cuda.synchronize()
-    assert torch.equal(dst, src), "sm_copy produced wrong bytes"
+    for method in methods:
+        dst.fill_(float("nan"))
+        sm_copy(dst, src, 24, method=method)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src), f"sm_copy(method={method!r}) produced wrong bytes"
     assert err < 1e-2, f"GEMM relative error {err}"
 
     env = environment()
     result = {"env": env, "gemm_n": n, "copy_bytes": nbytes, "green_programs_per_sm": args.green_programs_per_sm,
+              "copy_methods": methods,
               "notes": "copy GB/s counts bytes read plus bytes written; GEMM on random bf16 inputs",
               "gemm_relative_error": err}
     full = time_ms(gemm, warmup=5, repeat=20)
@@ -106,70 +140,90 @@ def main():
     print(f"GEMM full GPU: {full['median_ms']:.3f} ms, {gemm_tflops(full['median_ms'], n):.0f} TFLOP/s", flush=True)
 
     # copy kernel shape: a short sweep on the full GPU with 24 programs. The split rows use
-    # --copy-shape (default 4096x16, ~1.2 TB/s on 24 SMs); the widest shape moves ~2 TB/s and so
-    # takes more of the HBM bandwidth and power the GEMM needs.
-    shapes = {}
-    for block, warps in ((2048, 8), (4096, 16), (8192, 16), (8192, 32)):
-        t = time_ms(lambda: sm_copy(dst, src, 24, block=block, num_warps=warps), warmup=3, repeat=10)
-        shapes[f"{block}x{warps}"] = copy_gbps(t["median_ms"], nbytes)
-    best = max(shapes, key=shapes.get) if args.copy_shape == "best" else args.copy_shape
-    block, warps = map(int, best.split("x"))
-    result["copy_shape_sweep_gbps_24_programs"] = shapes
-    result["copy_shape"] = {"block": block, "num_warps": warps}
-    print(f"copy shapes (24 programs, GB/s): {shapes}; using {best}", flush=True)
+    # --copy-shape (ldst, default 4096x16, ~1.2 TB/s on 24 SMs; the widest shape moves ~2 TB/s and so
+    # takes more of the HBM bandwidth and power the GEMM needs) and --tma-shape (tma).
+    copy_kw, sweeps = {}, {}
+    for method in methods:
+        shapes = {}
+        for text in SWEEP[method]:
+            kw = {"method": method, **parse_shape(method, text)}
+            t = time_ms(lambda: sm_copy(dst, src, 24, **kw), warmup=3, repeat=10)  # noqa: B023
+            shapes[text] = copy_gbps(t["median_ms"], nbytes)
+        best = max(shapes, key=shapes.get) if requested_shape[method] == "best" else requested_shape[method]
+        copy_kw[method] = {"method": method, **parse_shape(method, best)}
+        dst.fill_(float("nan"))
+        sm_copy(dst, src, 24, **copy_kw[method])
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src), f"sm_copy({copy_kw[method]}) produced wrong bytes"
+        sweeps[method] = shapes
+        print(f"{'' if methods == ['ldst'] else method + ' '}copy shapes (24 programs, GB/s): {shapes}; using {best}",
+              flush=True)
+    result["copy_shape_sweep_gbps_24_programs"] = sweeps[methods[0]]
+    result["copy_shape"] = {k: v for k, v in copy_kw[methods[0]].items() if k != "method"}
+    result["copy_shape_sweeps_gbps_24_programs"] = sweeps
+    result["copy_shapes"] = {m: {k: v for k, v in kw.items() if k != "method"} for m, kw in copy_kw.items()}
 
     rows = []
     variants = [(mode, False) for mode in args.modes] + [(mode, True) for mode in args.evict_first_modes]
+    if "ldst" not in methods:
+        variants = [(mode, ef) for mode, ef in variants if not ef]
+        if args.evict_first_modes:
+            print("evict-first rows skipped: only the ldst copy has an evict-first variant", flush=True)
     for mode, evict_first in variants:
         for comm_sms in args.comm_sms:
             with SmBudget(comm_sms, device=dev, mode=mode) as budget:
-                programs = budget.comm_sms * (args.green_programs_per_sm if mode == "green" else 1)
-                copy = lambda: sm_copy(dst, src, programs, block=block, num_warps=warps,  # noqa: E731
-                                       evict_first=evict_first)
-                copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
-                gemm_alone = time_ms(gemm, stream=budget.compute_stream, warmup=3, repeat=15)
-                n_gemm = 30
-                n_copy = max(4, int(1.4 * n_gemm * gemm_alone["median_ms"] / copy_alone["median_ms"]))
-                gemm_conc, copy_conc, windows = [], [], []
-                for _ in range(3):  # three concurrent rounds; every kernel that overlapped counts
-                    g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
-                    gemm_conc += g
-                    copy_conc += c
-                    windows.append(w)
-                windows = {"windows": windows}
-                row = {
-                    "mode": mode, "evict_first": evict_first, "requested_comm_sms": comm_sms, "comm_sms": budget.comm_sms,
-                    "compute_sms": budget.compute_sms, "copy_programs": programs,
-                    "gemm_alone_ms": gemm_alone["median_ms"],
-                    "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
-                    "gemm_concurrent_ms": statistics.median(gemm_conc),
-                    "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
-                    "gemm_concurrent_samples": len(gemm_conc),
-                    "copy_alone_ms": copy_alone["median_ms"],
-                    "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
-                    "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
-                    "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
-                    "copy_concurrent_samples": len(copy_conc),
-                    **windows,
-                }
-                row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
-                row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
-                if comm_sms == args.trace_at and not evict_first:
-                    FIGURES.mkdir(parents=True, exist_ok=True)
-                    png = FIGURES / f"sm_split_{mode}_{comm_sms}.png"
-                    row["trace"] = traced_round(
-                        budget, a, b, src, dst, programs, block, warps,
-                        f"{mode} mode, comm_sms={comm_sms} (granted {budget.comm_sms}): copy (comm) + cuBLAS GEMM (compute)",
-                        png, FIGURES / f"sm_split_{mode}_{comm_sms}_trace.json")
-                    row["trace_shared_sm_count"] = len(row["trace"]["shared_sms"])
-                rows.append(row)
-                print(f"{mode + ('+ef' if evict_first else ''):8s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
-                      f"conc {row['gemm_concurrent_tflops']:6.1f} TFLOP/s ({row['gemm_kept']:.3f}) | copy alone "
-                      f"{row['copy_alone_gbps']:7.1f} conc {row['copy_concurrent_gbps'] or float('nan'):7.1f} GB/s "
-                      f"({row['copy_kept'] or float('nan'):.3f})" + (f" | shared SMs {row['trace_shared_sm_count']}" if "trace" in row else ""),
-                      flush=True)
+                for method in (["ldst"] if evict_first else methods):
+                    kw = copy_kw[method]
+                    programs = budget.comm_sms * (args.green_programs_per_sm if mode == "green" else 1)
+                    copy = lambda: sm_copy(dst, src, programs, evict_first=evict_first, **kw)  # noqa: E731,B023
+                    copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
+                    gemm_alone = time_ms(gemm, stream=budget.compute_stream, warmup=3, repeat=15)
+                    n_gemm = 30
+                    n_copy = max(4, int(1.4 * n_gemm * gemm_alone["median_ms"] / copy_alone["median_ms"]))
+                    gemm_conc, copy_conc, windows = [], [], []
+                    for _ in range(3):  # three concurrent rounds; every kernel that overlapped counts
+                        g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
+                        gemm_conc += g
+                        copy_conc += c
+                        windows.append(w)
+                    windows = {"windows": windows}
+                    row = {
+                        "mode": mode, "copy_method": method, "evict_first": evict_first, "requested_comm_sms": comm_sms, "comm_sms": budget.comm_sms,
+                        "compute_sms": budget.compute_sms, "copy_programs": programs,
+                        "gemm_alone_ms": gemm_alone["median_ms"],
+                        "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
+                        "gemm_concurrent_ms": statistics.median(gemm_conc),
+                        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
+                        "gemm_concurrent_samples": len(gemm_conc),
+                        "copy_alone_ms": copy_alone["median_ms"],
+                        "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
+                        "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
+                        "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
+                        "copy_concurrent_samples": len(copy_conc),
+                        **windows,
+                    }
+                    row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
+                    row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+                    if comm_sms == args.trace_at and not evict_first:
+                        FIGURES.mkdir(parents=True, exist_ok=True)
+                        fig = f"sm_split_{mode}_{comm_sms}" if method == "ldst" else f"sm_split_{method}_{mode}_{comm_sms}"
+                        png = FIGURES / f"{fig}.png"
+                        row["trace"] = traced_round(
+                            budget, a, b, src, dst, programs, kw,
+                            f"{mode} mode, comm_sms={comm_sms} (granted {budget.comm_sms}): {method} copy (comm) + cuBLAS GEMM (compute)"
+                            if method != "ldst" else
+                            f"{mode} mode, comm_sms={comm_sms} (granted {budget.comm_sms}): copy (comm) + cuBLAS GEMM (compute)",
+                            png, FIGURES / f"{fig}_trace.json")
+                        row["trace_shared_sm_count"] = len(row["trace"]["shared_sms"])
+                    rows.append(row)
+                    label = mode + ("+ef" if evict_first else "") + ("" if methods == ["ldst"] else f" {method}")
+                    print(f"{label:{8 if methods == ['ldst'] else 13}s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
+                          f"conc {row['gemm_concurrent_tflops']:6.1f} TFLOP/s ({row['gemm_kept']:.3f}) | copy alone "
+                          f"{row['copy_alone_gbps']:7.1f} conc {row['copy_concurrent_gbps'] or float('nan'):7.1f} GB/s "
+                          f"({row['copy_kept'] or float('nan'):.3f})" + (f" | shared SMs {row['trace_shared_sm_count']}" if "trace" in row else ""),
+                          flush=True)
     result["rows"] = rows
-    path = write_result("sm_split", result)
+    path = write_result(stem, result)
     print(f"wrote {path}")
 
 

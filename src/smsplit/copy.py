@@ -1,15 +1,34 @@
-"""A persistent SM copy: exactly ``num_programs`` programs stream a buffer with 16-byte
-non-caching loads and stores. It is the simplest bandwidth-bound kernel that runs on a comm budget,
-and the building block of the SM transports."""
+"""A persistent SM copy: exactly ``num_programs`` programs stream a buffer. It is the simplest
+bandwidth-bound kernel that runs on a comm budget, and the building block of the SM transports.
+
+Two methods:
+
+* ``"ldst"`` (default): every thread moves 16-byte vectors with non-caching loads and stores
+  (``smsplit.ptx``); one tile per program is in flight at a time.
+* ``"tma"``: the Hopper tensor memory accelerator. Each program keeps ``stages - 1`` tiles of
+  loads in flight into a shared-memory ring (``cp.async.bulk.tensor`` global -> shared, software
+  pipelined by Triton) and writes each tile back with a bulk tensor store. More bytes in flight per
+  SM than ``"ldst"``, so it tolerates the memory latency that a kernel beside it adds. Needs sm_90+.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from smsplit import ptx
 from smsplit.trace import Trace, record_block
+
+METHODS = ("ldst", "tma")
+# Shape defaults per method: (block in 16-byte vectors, num_warps, stages).
+DEFAULTS = {"ldst": (2048, 8, None), "tma": (1024, 4, 8)}
+# Dynamic shared memory a Hopper block can use (227 KiB); the TMA ring takes stages * tile bytes.
+MAX_SHARED_BYTES = 227 * 1024
+# TMA coordinates and Triton's descriptor shapes are signed 32-bit; the TMA copy addresses 8-byte
+# elements and keeps their count (plus a tile) below 2**31.
+TMA_MAX_BYTES = 8 * 2**30
 
 
 @triton.jit(do_not_specialize=["tag"])  # a new tag id must not recompile
@@ -34,36 +53,115 @@ def persistent_copy_kernel(src, dst, n_vec, trace_ptr, tag, BLOCK: tl.constexpr,
         record_block(trace_ptr, tag, start)
 
 
-def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
+@triton.jit(do_not_specialize=["tag"])  # a new tag id must not recompile
+def persistent_tma_copy_kernel(src_desc, dst_desc, trace_ptr, tag, BLOCK: tl.constexpr,
+                               STAGES: tl.constexpr, TRACE: tl.constexpr):
+    """Copy through TMA: ``src_desc``/``dst_desc`` are 1-D tensor descriptors over the same number
+    of 8-byte elements, with block ``[BLOCK]``. Program ``p`` copies tiles ``p, p + P, p + 2P, ...``;
+    the loop is software-pipelined with ``STAGES`` shared-memory buffers (``STAGES - 1`` loads ahead,
+    one store buffer). The last tile may be partial: TMA loads fill the out-of-bounds part with zeros
+    and TMA stores drop it, so nothing past the end is read or written."""
+    if TRACE:
+        start = ptx.globaltimer()
+    n = src_desc.shape[0]
+    n_tiles = tl.cdiv(n, BLOCK)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        off = tile * BLOCK  # < n < 2**31: the host checks the size
+        dst_desc.store([off], src_desc.load([off]))
+    if TRACE:
+        record_block(trace_ptr, tag, start)
+
+
+def _check_tensor(t: torch.Tensor, name: str) -> None:
     if not t.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must be 16-byte aligned")
+
+
+def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
+    _check_tensor(t, name)
     return t.view(torch.uint8).view(torch.int32) if t.dtype != torch.int32 else t
 
 
+def _as_elements(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat int64 tensor (the TMA copy's element type)."""
+    return t.reshape(-1).view(torch.uint8).view(torch.int64)
+
+
+def tma_shared_bytes(block: int, stages: int) -> int:
+    """Shared memory the TMA copy uses: ``stages`` buffers of ``block`` 16-byte vectors
+    (``stages - 1`` for loads in flight, one for the store)."""
+    return stages * block * 16
+
+
 def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trace | None = None,
-            name: str = "copy", kind: str = "comm", block: int = 2048, num_warps: int = 8,
-            evict_first: bool = False) -> torch.Tensor:
+            name: str = "copy", kind: str = "comm", block: int | None = None, num_warps: int | None = None,
+            evict_first: bool = False, method: str = "ldst", stages: int | None = None) -> torch.Tensor:
     """Copy ``src`` into ``dst`` (same byte size, a multiple of 16) with exactly ``num_programs``
     persistent programs on the current stream. With ``trace``, each program records where and when
-    it ran under ``name``/``kind``. ``evict_first`` keeps the copied lines from displacing other
-    kernels' data in L2."""
+    it ran under ``name``/``kind``.
+
+    ``method="ldst"`` (default; ``block`` 2048, ``num_warps`` 8): 16-byte loads and stores by every
+    thread, ``block`` vectors per program per step. ``evict_first`` keeps the copied lines from
+    displacing other kernels' data in L2.
+
+    ``method="tma"`` (sm_90+; ``block`` 1024, ``num_warps`` 4, ``stages`` 8): TMA bulk copies through
+    a ring of ``stages`` shared-memory tiles of ``block`` 16-byte vectors, so up to ``stages - 1``
+    tiles (112 KiB with the defaults) are being loaded per program while it stores. ``block`` must
+    be a power of two, ``stages * block * 16`` at most 227 KiB, the copy at most 8 GiB;
+    ``evict_first`` is not available (Triton's descriptor loads take no cache hint).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    default_block, default_warps, default_stages = DEFAULTS[method]
+    block = default_block if block is None else block
+    num_warps = default_warps if num_warps is None else num_warps
     if src.nbytes != dst.nbytes:
         raise ValueError(f"src has {src.nbytes} bytes and dst {dst.nbytes}; they must match")
     if src.nbytes % 16:
         raise ValueError(f"the copy moves 16-byte vectors; {src.nbytes} bytes is not a multiple of 16")
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
-    src_words, dst_words = _as_words(src, "src"), _as_words(dst, "dst")
+    if method == "ldst":
+        if stages is not None:
+            raise ValueError("stages applies to method='tma' only")
+        src_words, dst_words = _as_words(src, "src"), _as_words(dst, "dst")
+    else:
+        stages = default_stages if stages is None else stages
+        if evict_first:
+            raise ValueError("evict_first is not available with method='tma'")
+        if block < 1 or block & (block - 1):
+            raise ValueError(f"block must be a power of two for method='tma', got {block}")
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1, got {stages}")
+        if tma_shared_bytes(block, stages) > MAX_SHARED_BYTES:
+            raise ValueError(f"stages * block * 16 = {tma_shared_bytes(block, stages)} bytes of shared memory; "
+                             f"at most {MAX_SHARED_BYTES}")
+        if src.nbytes > TMA_MAX_BYTES:
+            raise ValueError(f"method='tma' copies at most {TMA_MAX_BYTES} bytes, got {src.nbytes}")
+        _check_tensor(src, "src")
+        _check_tensor(dst, "dst")
+        if src.nbytes == 0:  # a TMA descriptor cannot be empty: the plain kernel records the programs
+            method, src_words, dst_words = "ldst", _as_words(src, "src"), _as_words(dst, "dst")
     if trace is not None:
         trace_view, tag = trace.slots(num_programs, name, kind)
     else:
-        trace_view, tag = dst_words, 0  # unused when TRACE is False
-    persistent_copy_kernel[(num_programs,)](
-        src_words, dst_words, src.nbytes // 16, trace_view, tag,
-        BLOCK=block, TRACE=trace is not None, EVICT_FIRST=evict_first, num_warps=num_warps,
-    )
+        trace_view, tag = None, 0  # unused when TRACE is False
+    if method == "ldst":
+        persistent_copy_kernel[(num_programs,)](
+            src_words, dst_words, src.nbytes // 16, dst_words if trace_view is None else trace_view, tag,
+            BLOCK=block, TRACE=trace is not None, EVICT_FIRST=evict_first, num_warps=num_warps,
+        )
+    else:
+        src_el, dst_el = _as_elements(src), _as_elements(dst)
+        n, tile = src_el.numel(), 2 * block  # 8-byte elements
+        src_desc = TensorDescriptor(src_el, shape=[n], strides=[1], block_shape=[tile])
+        dst_desc = TensorDescriptor(dst_el, shape=[n], strides=[1], block_shape=[tile])
+        persistent_tma_copy_kernel[(num_programs,)](
+            src_desc, dst_desc, dst_el if trace_view is None else trace_view, tag,
+            BLOCK=tile, STAGES=stages, TRACE=trace is not None, num_warps=num_warps,
+        )
     return dst
