@@ -122,6 +122,11 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
     chunk, the last one release-stores ``epoch`` into ``ready[rank][chunk]`` of every other rank."""
     if TRACE:
         t_start = ptx.globaltimer()
+    recv_x = recv_x.to(tl.int64)  # an empty tensor's address (0) comes in as int32
+    recv_scales = recv_scales.to(tl.int64)
+    recv_topk = recv_topk.to(tl.int64)
+    recv_weights = recv_weights.to(tl.int64)
+    recv_src = recv_src.to(tl.int64)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, RP)

@@ -1,0 +1,93 @@
+"""One copy-engine (or nvlink) dispatch + combine on 2 GPUs under the torch profiler: every kernel and copy with
+its stream, start and duration, relative to the first event (diagnosis of where the time goes).
+
+    python3 bench/ep_profile.py --transport copy_engine --chunks 4 --out /tmp/prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    from smsplit.ep.copy_engine import CopyEngineTransport
+    from smsplit.ep.nvlink import NvlinkTransport
+
+    T, H, E, K = 4096, 7168, 256, 8
+    num_local = E // world
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    in_rank = torch.zeros(T, world, dtype=torch.bool, device=dev)
+    for r in range(world):
+        in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
+    worst = world * T
+    if args.transport == "copy_engine":
+        tr = CopyEngineTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K,
+                                 num_chunks=args.chunks)
+        lay = tr.layout(in_rank, worst)
+    else:
+        tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K)
+        *_, lay = tr.dispatch(x, None, topk, None, in_rank, num_local, num_worst_tokens=worst)
+    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+
+    def step():
+        tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8, num_worst_tokens=worst, cached=lay)
+        tr.combine(y, None, lay)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"trace_{args.transport}_rank{rank}.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    t0 = min(e["ts"] for e in events) if events else 0
+    lines = [f"rank {rank}: {args.transport} chunks={args.chunks} sms={args.sms} fp8={args.fp8}"]
+    for e in sorted(events, key=lambda e: e["ts"]):
+        lines.append(f"  stream {e.get('tid')!s:>4} start {e['ts'] - t0:8.1f} us dur {e['dur']:7.1f} us  "
+                     f"{e['name'][:60]}")
+    cpu = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    if cpu:
+        lines.append(f"  host span of the step: {max(e['ts'] + e['dur'] for e in cpu) - min(e['ts'] for e in cpu):.1f} us")
+    (out / f"summary_{args.transport}_rank{rank}.txt").write_text("\n".join(lines) + "\n")
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--transport", default="copy_engine", choices=["copy_engine", "nvlink"])
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--sms", type=int, default=20)
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--out", default="/tmp/prof")
+    args = parser.parse_args()
+    from smsplit.ep.testing import free_port
+
+    mp.spawn(worker, args=(2, free_port(), args), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()
