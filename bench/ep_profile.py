@@ -49,6 +49,29 @@ def worker(rank, world, port, args):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    # the pieces alone, CUDA events, median of 10: a local SM copy of x (the pack's floor) and the whole step
+    from smsplit.copy import sm_copy
+
+    def median_us(fn, reps=10):
+        times = []
+        for _ in range(reps):
+            dist.barrier(device_ids=[rank])
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    tmp = torch.empty_like(x)
+    alone = {"sm_copy_x_local": median_us(lambda: sm_copy(tmp, x, args.sms)),
+             "dispatch": median_us(lambda: tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8,
+                                                       num_worst_tokens=worst, cached=lay)),
+             "combine": median_us(lambda: tr.combine(y, None, lay))}
+    if rank == 0:
+        print("alone (us):", {k: round(v, 1) for k, v in alone.items()}, flush=True)
     dist.barrier(device_ids=[rank])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -108,7 +108,7 @@ def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, rank, R,
 
 
 @triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
-def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, done_ptr,
+def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, done_ptr, own_buf,
                 recv_x, recv_scales, recv_topk, recv_weights, recv_src,
                 T, H, K, R, rank, M, NC, chunk_tokens, self_start, num_local_experts, epoch,
                 off_sx, off_ss, off_stopk, off_sw, off_ssrc, off_ready,
@@ -122,15 +122,15 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
     chunk, the last one release-stores ``epoch`` into ``ready[rank][chunk]`` of every other rank."""
     if TRACE:
         t_start = ptx.globaltimer()
-    recv_x = recv_x.to(tl.int64)  # an empty tensor's address (0) comes in as int32
-    recv_scales = recv_scales.to(tl.int64)
-    recv_topk = recv_topk.to(tl.int64)
-    recv_weights = recv_weights.to(tl.int64)
-    recv_src = recv_src.to(tl.int64)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, RP)
-    own = tl.load(bases_ptr + rank)
+    # staging regions of this rank's buffer, as typed pointers (their alignment is known: stores vectorize)
+    sx = own_buf + off_sx
+    ss = (own_buf + off_ss).to(tl.pointer_type(tl.float32), bitcast=True)
+    stopk = (own_buf + off_stopk).to(tl.pointer_type(tl.int64), bitcast=True)
+    sw = (own_buf + off_sw).to(tl.pointer_type(tl.float32), bitcast=True)
+    ssrc = (own_buf + off_ssrc).to(tl.pointer_type(tl.int32), bitcast=True)
     vec = tl.arange(0, VEC)[None, :]
     row_bytes = H * X_BYTES
     n_vec = row_bytes // 16
@@ -170,37 +170,34 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
                 ok = (p >= 0)[:, None]
                 if d == rank:
                     row = self_start + p.to(tl.int64)[:, None]
-                    x_dst = recv_x
+                    x_dst = recv_x.to(tl.pointer_type(tl.uint8), bitcast=True)
                     s_dst = recv_scales
                     k_dst = recv_topk
                     w_dst = recv_weights
                     i_dst = recv_src
                 else:
-                    row = p.to(tl.int64)[:, None]
-                    slab = d * M  # destination d's rows in each staging region
-                    x_dst = own + off_sx + slab * row_bytes
-                    s_dst = own + off_ss + slab * n_groups * 4
-                    k_dst = own + off_stopk + slab * K * 8
-                    w_dst = own + off_sw + slab * K * 4
-                    i_dst = own + off_ssrc + slab * 4
+                    row = d * M + p.to(tl.int64)[:, None]  # destination d's rows in each staging region
+                    x_dst = sx
+                    s_dst = ss
+                    k_dst = stopk
+                    w_dst = sw
+                    i_dst = ssrc
                 if QUANTIZE:
-                    dst_q = (x_dst + row[:, :, None] * H).to(tl.pointer_type(tl.float8e4nv))
+                    dst_q = x_dst.to(tl.pointer_type(tl.float8e4nv), bitcast=True) + row[:, :, None] * H
                     tl.store(dst_q + g3 * 128 + c3, q, mask=ok[:, :, None] & (g3 < n_groups))
-                    dst_s = (s_dst + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                    tl.store(dst_s + grp, scale, mask=ok & gmask)
+                    tl.store(s_dst + row * n_groups + grp, scale, mask=ok & gmask)
                 else:
-                    dst = (x_dst + row * row_bytes).to(tl.pointer_type(tl.int32))
+                    dst = x_dst.to(tl.pointer_type(tl.int32), bitcast=True) + row * (row_bytes // 4)
                     ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)
                     if HAS_SCALES:
-                        dst_s = (s_dst + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                        tl.store(dst_s + grp, scale, mask=ok & gmask)
+                        tl.store(s_dst + row * n_groups + grp, scale, mask=ok & gmask)
                 if HAS_TOPK:
                     local = topk - d * num_local_experts
                     local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
-                    tl.store((k_dst + row * K * 8).to(tl.pointer_type(tl.int64)) + k, local, mask=ok & kmask)
+                    tl.store(k_dst + row * K + k, local, mask=ok & kmask)
                 if HAS_WEIGHTS:
-                    tl.store((w_dst + row * K * 4).to(tl.pointer_type(tl.float32)) + k, weights, mask=ok & kmask)
-                tl.store((i_dst + row * 4).to(tl.pointer_type(tl.int32)), t[:, None], mask=ok)
+                    tl.store(w_dst + row * K + k, weights, mask=ok & kmask)
+                tl.store(i_dst + row, t[:, None], mask=ok)
         tl.debug_barrier()
         ptx.fence_acq_rel_sys()
         old = tl.atomic_add(done_ptr + c, 1, sem="acq_rel", scope="gpu")
@@ -216,7 +213,7 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
 
 
 @triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
-def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, out_ptr, out_w_ptr,
+def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, own_buf, out_ptr, out_w_ptr,
                   T, H, K, R, rank, M, NC, chunk_tokens, self_start, epoch,
                   off_cx, off_cw, off_cready, off_cack, timeout_ns,
                   HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
@@ -231,8 +228,9 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, out_
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, RP)
-    own = tl.load(bases_ptr + rank)
-    cready = (own + off_cready).to(tl.pointer_type(tl.int32))
+    cready = (own_buf + off_cready).to(tl.pointer_type(tl.int32), bitcast=True)
+    cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
     k = tl.arange(0, KP)[None, :]
@@ -257,11 +255,9 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, out_
                         acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
                 else:
                     slot = d * M + p
-                    src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
-                    acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
                     if HAS_WEIGHTS:
-                        src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
-                        acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+                        acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
             if HAS_WEIGHTS:
                 tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
@@ -373,6 +369,8 @@ class CopyEngineTransport:
         self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)
         self.done = torch.zeros(num_chunks + 1, dtype=torch.int32, device=self.device)  # pack chunks, reduce exit
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent tensors
+        self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ops = StreamOps(self.device)
         self.copy_streams = [torch.cuda.Stream(self.device) for _ in range(num_copy_streams)]
         self.dispatch_epoch = 0
@@ -466,13 +464,14 @@ class CopyEngineTransport:
                           num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
-        addr = lambda t: recv_x.data_ptr() if t is None else t.data_ptr()
         trace_view, tag = trace.slots(self.num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
         pack_kernel[(self.num_sms,)](
             x if quantize else x.view(torch.uint8).view(torch.int32), scales if scales is not None else recv_src,
             topk_idx if topk_idx is not None else recv_src, topk_weights if topk_weights is not None else recv_src,
-            layout.pos, self.bases, self.done, addr(recv_x), addr(recv_scales), addr(recv_topk), addr(recv_weights),
-            addr(recv_src), T, H, max(K, 1), R, me, self.max_tokens, NC, layout.chunk_tokens,
+            layout.pos, self.bases, self.done, self.buffer, recv_x,
+            recv_scales if recv_scales is not None else self._dummy_f32,
+            recv_topk if recv_topk is not None else self._dummy_i64,
+            recv_weights if recv_weights is not None else self._dummy_f32, recv_src, T, H, max(K, 1), R, me, self.max_tokens, NC, layout.chunk_tokens,
             layout.recv_start[me], num_local_experts, epoch,
             self.offsets["sx"], self.offsets["ss"], self.offsets["stopk"], self.offsets["sw"], self.offsets["ssrc"],
             self.offsets["ready"],
@@ -560,7 +559,7 @@ class CopyEngineTransport:
         trace_view, tag = trace.slots(self.num_sms, "reduce", "comm") if trace is not None else (out, 0)
         reduce_kernel[(self.num_sms,)](
             y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
-            self.status.data_ptr(), out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
+            self.status.data_ptr(), self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
             layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],
             self.offsets["combine_ready"], self.offsets["combine_ack"], self.timeout_ns,
             HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2, HAS_WEIGHTS=y_weights is not None,
