@@ -72,7 +72,7 @@ def main():
             for warps, TB in ((16, 2), (8, 2), (16, 4)):
                 def reduce():
                     ce.reduce_kernel[(P,)](
-                        y, out, pos, bases, done[15:], status.data_ptr(), buf, out, out, T, H, 1, R, 0, M, NC,
+                        y, out, pos, bases, done[15:], status.data_ptr(), done[14:], buf, out, out, T, H, 1, R, 0, M, NC,
                         chunk, 0, 1, offsets["cx"], offsets["cw"], offsets["combine_ready"],
                         offsets["combine_ack"] + 64, int(1e9), HB=_pow2(H), KP=1, RP=2, TB=TB, HAS_WEIGHTS=False,
                         TRACE=False, trace_ptr=out, trace_tag=0, num_warps=warps)

@@ -13,7 +13,7 @@ from smsplit.ep.testing import free_port
 def test_copy_engine_kernels_compile_with_their_ptx():
     text, cubin = ptx.compile_for_sm90(
         copy_engine.gate_kernel,
-        {"bases_ptr": "*i64", "arrive_off": "i64", "ack_off": "i64", "force_off": "i64", "status_addr": "i64",
+        {"bases_ptr": "*i64", "arrive_off": "i64", "ack_off": "i64", "force_off": "i64", "status_addr": "i64", "fail_ptr": "*i32",
          "rank": "i32", "R": "i32", "NC": "i32", "epoch": "i32", "timeout_ns": "i64", "phase": "i32"}, num_warps=1)
     assert ptx.INSTRUCTIONS["st_release_sys"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text and cubin
     sig = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
@@ -34,7 +34,7 @@ def test_copy_engine_kernels_compile_with_their_ptx():
                                    dict(consts, QUANTIZE=True, X_BYTES=1), num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the packing
     sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "bases_ptr": "*i64", "exit_ptr": "*i32",
-           "status_addr": "i64", "own_buf": "*u8", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",
+           "status_addr": "i64", "fail_ptr": "*i32", "own_buf": "*u8", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",
            "R": "i32", "rank": "i32", "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32",
            "epoch": "i32", "off_cx": "i64", "off_cw": "i64", "off_cready": "i64", "off_cack": "i64",
            "timeout_ns": "i64", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr",

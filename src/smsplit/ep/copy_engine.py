@@ -69,10 +69,12 @@ class StreamOps:
 # --- kernels -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _wait_each(own_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, phase):
+def _wait_each(own_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, fail_ptr, phase):
     """Wait (thread 0, bounded) until ``own_ptr[first + s * stride] >= target`` for every rank s (but this
-    rank when ``skip_self``); on timeout record (phase, s, seen, target) and skip the later waits."""
-    failed = tl.load(status_ptr, volatile=True)
+    rank when ``skip_self``); on timeout record (phase, s, seen, target) in the status words (pinned host
+    memory: read by the host only, a read from every warp would cost a PCIe round trip each) and set the
+    device word ``fail_ptr``, which makes later waits return at once."""
+    failed = tl.load(fail_ptr, volatile=True)
     for s in range(R):
         if (failed == 0) & ((skip_self == 0) | (s != rank)):
             seen = ptx.wait_geq_sys(own_ptr + first + s * stride, target, timeout_ns)
@@ -81,12 +83,14 @@ def _wait_each(own_ptr, first, stride, R, rank, skip_self, target, timeout_ns, s
                 tl.store(status_ptr + 2, seen)
                 tl.store(status_ptr + 3, target)
                 tl.store(status_ptr, phase)
+                tl.store(fail_ptr, 1)
                 failed = 1
     tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=["epoch"])
-def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, rank, R, NC, epoch, timeout_ns, phase):
+def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, fail_ptr, rank, R, NC, epoch, timeout_ns,
+                phase):
     """One program: tell every rank that this rank has entered call ``epoch`` of this phase, then wait
     (bounded) until every rank has entered it and has acknowledged (``ack >= epoch - 1``) that it is done
     with what this rank is about to overwrite. If a wait times out, write ``epoch`` into this rank's
@@ -99,9 +103,9 @@ def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, rank, R,
         arrive = (tl.load(bases_ptr + d) + arrive_off).to(tl.pointer_type(tl.int32))
         ptx.st_release_sys(arrive + rank, epoch)
     own_arrive = (own + arrive_off).to(tl.pointer_type(tl.int32))
-    _wait_each(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, phase)
-    _wait_each(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, phase + 1)
-    if tl.load(status_ptr, volatile=True) != 0:
+    _wait_each(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, fail_ptr, phase)
+    _wait_each(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, fail_ptr, phase + 1)
+    if tl.load(fail_ptr, volatile=True) != 0:
         force = (own + force_off).to(tl.pointer_type(tl.int32))
         for i in range(R * NC):
             tl.store(force + i, epoch)
@@ -213,7 +217,7 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
 
 
 @triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
-def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, own_buf, out_ptr, out_w_ptr,
+def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, fail_ptr, own_buf, out_ptr, out_w_ptr,
                   T, H, K, R, rank, M, NC, chunk_tokens, self_start, epoch,
                   off_cx, off_cw, off_cready, off_cack, timeout_ns,
                   HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
@@ -236,7 +240,7 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, own_
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
     for c in range(NC):
-        _wait_each(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, 7)
+        _wait_each(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, fail_ptr, 7)
         t_end = tl.minimum(T, (c + 1) * chunk_tokens)
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
             t = t0 + tl.arange(0, TB)
@@ -369,6 +373,7 @@ class CopyEngineTransport:
         self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)
         self.done = torch.zeros(num_chunks + 1, dtype=torch.int32, device=self.device)  # pack chunks, reduce exit
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.failed = torch.zeros(1, dtype=torch.int32, device=self.device)  # set by a wait that timed out
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent tensors
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ops = StreamOps(self.device)
@@ -460,7 +465,7 @@ class CopyEngineTransport:
         self.dispatch_epoch += 1
         epoch = self.dispatch_epoch
         gate_kernel[(1,)](self.bases, self.offsets["dispatch_arrive"], self.offsets["dispatch_ack"],
-                          self.offsets["ready"], self.status.data_ptr(), me, R, NC, epoch, self.timeout_ns, 5,
+                          self.offsets["ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 5,
                           num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
@@ -534,7 +539,7 @@ class CopyEngineTransport:
         self.combine_epoch += 1
         epoch = self.combine_epoch
         gate_kernel[(1,)](self.bases, self.offsets["combine_arrive"], self.offsets["combine_ack"],
-                          self.offsets["combine_ready"], self.status.data_ptr(), me, R, NC, epoch, self.timeout_ns, 8,
+                          self.offsets["combine_ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 8,
                           num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
@@ -559,7 +564,7 @@ class CopyEngineTransport:
         trace_view, tag = trace.slots(self.num_sms, "reduce", "comm") if trace is not None else (out, 0)
         reduce_kernel[(self.num_sms,)](
             y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
-            self.status.data_ptr(), self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
+            self.status.data_ptr(), self.failed, self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
             layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],
             self.offsets["combine_ready"], self.offsets["combine_ack"], self.timeout_ns,
             HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2, HAS_WEIGHTS=y_weights is not None,

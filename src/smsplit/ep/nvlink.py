@@ -46,18 +46,20 @@ SCALE_BLOCK = 128
 ALIGN = 256
 PHASES = ("notify", "dispatch", "combine")
 # local state words (per rank, not shared): [phase] arrivals per source seen so far,
-# [4 + phase] programs of the current launch that have finished
+# [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out
 STATE_WORDS = 8
+FAIL_WORD = tl.constexpr(7)
 
 
 # --- device helpers --------------------------------------------------------------------------------
 
 @triton.jit
-def _wait_for_sources(sig_ptr, R, target, timeout_ns, status_ptr, phase):
+def _wait_for_sources(sig_ptr, R, target, timeout_ns, status_ptr, fail_ptr, phase):
     """Wait until ``sig_ptr[s] >= target`` for every source s < R, each wait bounded by
     ``timeout_ns`` (thread 0 spins, the program waits at a barrier). On timeout thread 0 writes
-    (phase, source, seen, expected) to the status words and later waits are skipped."""
-    failed = tl.load(status_ptr, volatile=True)
+    (phase, source, seen, expected) to the status words (pinned host memory, for the host) and sets
+    the device word ``fail_ptr`` (which every later wait reads, cheaply, to skip)."""
+    failed = tl.load(fail_ptr, volatile=True)
     for s in range(R):
         if failed == 0:
             seen = ptx.wait_geq_sys(sig_ptr + s, target, timeout_ns)
@@ -66,6 +68,7 @@ def _wait_for_sources(sig_ptr, R, target, timeout_ns, status_ptr, phase):
                 tl.store(status_ptr + 2, seen)
                 tl.store(status_ptr + 3, target)
                 tl.store(status_ptr, phase)
+                tl.store(fail_ptr, 1)
                 failed = 1
     tl.debug_barrier()
 
@@ -108,7 +111,7 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
     _signal_all(bases_ptr, sig_off + 0 * 64, rank, R)
     own_counts = (tl.load(bases_ptr + rank) + counts_off).to(tl.pointer_type(tl.int32))
     own_sig = (tl.load(bases_ptr + rank) + sig_off + 0 * 64).to(tl.pointer_type(tl.int32))
-    _wait_for_sources(own_sig, R, expected + 1, timeout_ns, status_ptr, 1)
+    _wait_for_sources(own_sig, R, expected + 1, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 1)
     s = tl.arange(0, RP)[:, None]
     dd = tl.arange(0, RP)[None, :]
     matrix = tl.load(own_counts + s * R + dd, mask=(s < R) & (dd < R), other=0, volatile=True)
@@ -222,7 +225,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
     _wait_for_sources((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
-                      timeout_ns, status_ptr, 2)
+                      timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
     if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
         total = tl.load(layout_ptr + 2 * R)
         for r0 in range(total + pid * TB, num_worst, programs * TB):
@@ -291,7 +294,7 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
     _wait_for_sources((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
-                      timeout_ns, status_ptr, 3)
+                      timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
     for t0 in range(pid * TB, T, programs * TB):
