@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def worker(rank, world, port, args, queue):
     res = {"rank": rank, "num_recv": num_recv, "recv_from_peers": recv_from_peers, "sent_to_peers": sent_to_peers,
            "recv_bytes_bf16_deepep": num_recv * H * 2, "rows": []}
 
+    def host_us(fn, reps=10):
+        dist.barrier(device_ids=[rank])
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(times)
+
     def timed(fn, reps=args.reps):
         dist.barrier(device_ids=[rank])
         return time_ms(fn, warmup=3, repeat=reps)["median_ms"]
@@ -98,6 +110,11 @@ def worker(rank, world, port, args, queue):
         row["combine_ms"] = timed(lambda: tr.combine(y, None, lay))
         torch.cuda.synchronize()
         tr.raise_if_failed()
+        # host time per call (Python + launches), no synchronization inside: bounds the GPU time from below
+        # when the GPU waits for the host
+        row["dispatch_bf16_host_us"] = host_us(lambda: tr.dispatch(
+            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
+        row["combine_host_us"] = host_us(lambda: tr.combine(y, None, lay))
         for key in list(row):
             if key.endswith("_ms"):
                 row[key] = _max_over_ranks(row[key], dev)
@@ -105,7 +122,8 @@ def worker(rank, world, port, args, queue):
         if rank == 0:
             print(f"{name:11s} P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
                   f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us, "
-                  f"combine {row['combine_ms'] * 1e3:7.1f} us", flush=True)
+                  f"combine {row['combine_ms'] * 1e3:7.1f} us; host per call: dispatch {row['dispatch_bf16_host_us']:.0f} us, "
+                  f"combine {row['combine_host_us']:.0f} us", flush=True)
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])

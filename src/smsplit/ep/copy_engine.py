@@ -38,7 +38,15 @@ class StreamOps:
         self._check(driver.cuInit(0), "cuInit")
         self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self._fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._streams = {}  # torch stream handle -> CUstream (made once: these calls are on the host's hot path)
         self.device = torch.device(device)
+
+    def _stream(self, stream: torch.cuda.Stream):
+        handle = stream.cuda_stream
+        cu = self._streams.get(handle)
+        if cu is None:
+            cu = self._streams[handle] = self._driver.CUstream(handle)
+        return cu
 
     def _check(self, result, what: str) -> None:
         err = result[0] if isinstance(result, tuple) else result
@@ -50,20 +58,19 @@ class StreamOps:
         """Copy ``nbytes`` from address ``src`` to ``dst`` in stream order (nothing when nbytes == 0)."""
         if nbytes > 0:
             d = self._driver
-            self._check(d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes,
-                                            d.CUstream(stream.cuda_stream)), "cuMemcpyDtoDAsync")
+            self._check(d.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream)), "cuMemcpyDtoDAsync")
 
     def wait_geq(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Later work on ``stream`` waits until the int32 at ``addr`` is >= ``value`` (cyclic compare)."""
         d = self._driver
-        self._check(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(addr),
-                                          value & 0xFFFFFFFF, self._geq), "cuStreamWaitValue32")
+        self._check(d.cuStreamWaitValue32(self._stream(stream), addr, value & 0xFFFFFFFF, self._geq),
+                    "cuStreamWaitValue32")
 
     def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Store ``value`` to the int32 at ``addr`` after the stream's earlier work, fenced."""
         d = self._driver
-        self._check(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(addr),
-                                           value & 0xFFFFFFFF, self._fenced), "cuStreamWriteValue32")
+        self._check(d.cuStreamWriteValue32(self._stream(stream), addr, value & 0xFFFFFFFF, self._fenced),
+                    "cuStreamWriteValue32")
 
 
 # --- kernels -----------------------------------------------------------------------------------------
@@ -342,7 +349,7 @@ class CopyEngineTransport:
     returns_views = False  # fresh received tensors: Buffer need not copy them
 
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
-                 max_topk: int = 16, num_chunks: int = 8, num_copy_streams: int = 2, timeout_s: float = 60.0):
+                 max_topk: int = 16, num_chunks: int = 4, num_copy_streams: int = 2, timeout_s: float = 60.0):
         import torch.distributed._symmetric_memory as symm_mem
 
         if hidden % SCALE_BLOCK:
@@ -384,7 +391,7 @@ class CopyEngineTransport:
         dist.barrier(group=group, device_ids=[self.device.index])
 
     @staticmethod
-    def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16, num_chunks: int = 8) -> int:
+    def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16, num_chunks: int = 4) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
         return sum(align_up(size, ALIGN)
                    for size in _region_bytes(num_ranks, max_tokens, hidden, max_topk, num_chunks).values())
