@@ -35,11 +35,11 @@ def ep():
     print(f"Measured: {env_line(d['env'])}\n")
     print(f"Per rank: {d['shape']['tokens']} tokens, hidden {d['shape']['hidden']}, {d['shape']['experts']} experts, "
           f"top-{d['shape']['topk']}; rank 0 receives {d['num_recv']} rows ({d['recv_from_peers']} over NVLink).\n")
-    print("| comm SMs | dispatch BF16 (us) | uncached | DeepEP GB/s | NVLink GB/s | dispatch FP8 incl. quant (us) | "
-          "combine (us) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| transport | comm SMs | dispatch BF16 (us) | uncached | DeepEP GB/s | NVLink GB/s | "
+          "dispatch FP8 incl. quant (us) | combine (us) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in d["rows"]:
-        print(f"| {r['comm_sms']} | {r['dispatch_bf16_cached_ms'] * 1e3:.0f} | {r['dispatch_bf16_ms'] * 1e3:.0f} | "
+        print(f"| {r.get('transport', 'nvlink')} | {r['comm_sms']} | {r['dispatch_bf16_cached_ms'] * 1e3:.0f} | {r['dispatch_bf16_ms'] * 1e3:.0f} | "
               f"{r['dispatch_bf16_deepep_gbps']:.0f} | {r['dispatch_bf16_nvlink_gbps']:.0f} | "
               f"{r['dispatch_fp8_cached_ms'] * 1e3:.0f} | {r['combine_ms'] * 1e3:.0f} |")
     print(f"\nSame run: NCCL all_to_all_single of the same BF16 rows {d['nccl_all_to_all_ms'] * 1e3:.0f} us "
@@ -51,7 +51,7 @@ def ep():
     for r in d.get("sm_copy_over_nvlink", []):
         print(f"| {r['programs']} | {r['write_gbps']:.0f} | {r['read_gbps']:.0f} |")
     for c in d.get("concurrent", []):
-        print(f"\nConcurrent (green, asked {c['asked']} → {c['comm_sms']} comm SMs, {c['compute_sms']} compute SMs): "
+        print(f"\n{c.get('transport', 'nvlink')}, concurrent (green, asked {c['asked']} → {c['comm_sms']} comm SMs, {c['compute_sms']} compute SMs): "
               f"GEMM 8192^3 {c['gemm_full_gpu_ms']:.3f} ms on the full GPU, {c['gemm_alone_on_budget_ms']:.3f} ms alone "
               f"on its budget, {c['gemm_concurrent_ms']:.3f} ms beside FP8 dispatch + combine; dispatch + combine "
               f"{c['comm_alone_ms'] * 1e3:.0f} us alone, {c['comm_concurrent_ms'] * 1e3:.0f} us beside the GEMM.")
