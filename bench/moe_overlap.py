@@ -124,7 +124,8 @@ def _measure(case, runner, iters, warmup):
 def _buffer(Buffer, shape, world, budget, transport, timeout_s, dtype):
     # sized for the largest message: the backward's gradients (activation dtype) with top-k weights
     nbytes = Buffer.get_buffer_size_hint(shape["tokens"], shape["dim"], world, shape["topk"], x_dtype=dtype,
-                                         fp8=False, combine_dtype=dtype)
+                                         fp8=False, combine_dtype=dtype,
+                                         backend=transport if transport != "auto" else "reference")
     return Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, budget=budget, backend=transport, timeout_s=timeout_s)
 
 
