@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,37 @@ def time_ms(fn, stream=None, warmup: int = 3, repeat: int = 10, inner: int = 1) 
             end.synchronize()
             times.append(start.elapsed_time(end) / inner)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": repeat}
+
+
+def call_times_ms(fn, warmup: int = 3, repeat: int = 10, inner: int = 1, before=None, cuda: bool | None = None) -> list[float]:
+    """Milliseconds of each of ``repeat`` timed runs of ``fn`` (``inner`` calls per run, divided),
+    after ``warmup`` untimed calls. ``before()``, if given, runs untimed before every warm-up call
+    and every timed run (say, synchronize and a barrier, so that ranks start together). Like
+    ``time_ms`` but returns every time and also runs on a CPU: CUDA events on the current stream
+    (cuda=None: when CUDA is available), else ``time.perf_counter``."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+        else:
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
+    return times
 
 
 def write_result(name: str, payload: dict) -> Path:

@@ -9,11 +9,14 @@ stages of --blocks-per-stage blocks. smsplit DualPipeV and torch's ScheduleDualP
 Every schedule runs the same micro-batches (--chunks of --micro-batch x --seq tokens).
 
 Measured: step time (median of --steps after --warmup, the slower rank's), peak memory; for
-smsplit DualPipeV also each op's start and end (CUDA events), hence the per-rank timeline, busy
-time and bubble (step time - busy). The mean F, B, W and F&B times feed
-simulate("dualpipev", ...), whose bubble is the prediction we compare against.
+smsplit DualPipeV also, in one more step, each op's start and end (CUDA events, and host times).
+Bubble of a rank = the schedule's span (rank 0's first op start to the last op end anywhere) minus
+the rank's op times. Predicted: simulate("dualpipev", ...) fed each rank's mean F, B, Bi, W and F&B,
+its op overhead (mean gap between ops with no p2p batch between them) and the time of one activation
+message (ping-pong), with sync="inputs" and sync="batches" (NCCL's batched p2p: a rendezvous), with
+and without the overhead; the main prediction is sync="batches" with the overhead.
 Writes bench/results/pipeline.json and bench/figures/pipeline_{measured,simulated}.png
-(--smoke: *_smoke.* instead).
+(--smoke: *_smoke.* instead). --reanalyse FILE redoes the analysis from a results file's raw times.
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from common import FIGURES, environment, write_result  # noqa: E402
+from common import FIGURES, call_times_ms, environment, write_result  # noqa: E402
 
-from smsplit.pipeline import DualPipeV, Linear, Op, Simulation, schedule, simulate  # noqa: E402
-from smsplit.pipeline.schedule import TimedOp, stage_of  # noqa: E402
+from smsplit.pipeline import (  # noqa: E402
+    DualPipeV,
+    Linear,
+    Op,
+    Simulation,
+    comm_plans,
+    schedule,
+    simulate,
+)
+from smsplit.pipeline.schedule import TimedOp, _batch_peers, stage_of  # noqa: E402
 
 RANKS = 2
 STAGES = 2 * RANKS
@@ -80,39 +91,14 @@ def loss_fn(out, target):
     return F.mse_loss(out.float(), target.float())
 
 
-class Clock:
-    """CUDA events on the GPU, perf_counter on the CPU; times in ms."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def time_steps(run_step, clock: Clock, warmup: int, steps: int, group) -> dict:
+def time_steps(run_step, cuda: bool, warmup: int, steps: int) -> dict:
     """Per-step time of this rank and the slower rank's median; steps start together."""
-    times = []
-    for i in range(warmup + steps):
-        clock.sync()
-        dist.barrier(group=group)
-        start = clock.mark()
-        run_step()
-        end = clock.mark()
-        clock.sync()
-        if i >= warmup:
-            times.append(clock.ms(start, end))
+    def before():
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    times = call_times_ms(run_step, warmup, steps, before=before, cuda=cuda)
     both = [None] * dist.get_world_size()
     dist.all_gather_object(both, statistics.median(times))
     return {"median_ms_per_rank": both, "median_ms": max(both), "steps_ms_this_rank": times}
@@ -122,7 +108,46 @@ def peak_memory(cuda: bool):
     return torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
-def bench_smsplit(args, rank, device, dtype, clock, data):
+def record_timeline(pipe, run_step, cuda: bool) -> dict:
+    """One more step with two timestamps at the start and at the end of every op: the device's
+    (a CUDA event on the current stream; perf_counter on a CPU) and the host's (perf_counter when
+    the hook ran). Times in ms from the step's start (right after synchronize and a barrier)."""
+    def now():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(a, b) -> float:
+        return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
+    marks = []
+    pipe.op_hook = lambda op, when: marks.append((op, when, now(), time.perf_counter()))
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    start, host0 = now(), time.perf_counter()
+    try:
+        run_step()
+        end = now()
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        pipe.op_hook = None
+    ops = []
+    for (op, w0, a, ha), (op1, w1, b, hb) in zip(marks[::2], marks[1::2]):
+        assert op == op1 and (w0, w1) == ("start", "end")
+        ops.append([str(op), op.kind, op.module, op.chunk, op.b_module, op.b_chunk, op.split,
+                    ms(start, a), ms(start, b), (ha - host0) * 1e3, (hb - host0) * 1e3])
+    return {"step_ms": ms(start, end), "op_fields": list(OP_FIELDS), "ops": ops}
+
+
+OP_FIELDS = ("name", "kind", "module", "chunk", "b_module", "b_chunk", "split",
+             "start_ms", "end_ms", "host_start_ms", "host_end_ms")
+
+
+def bench_smsplit(args, rank, device, dtype, cuda, data):
     x, y = data
     m0 = make_stage(args, rank, device, dtype, Linear)
     m1 = make_stage(args, STAGES - 1 - rank, device, dtype, Linear)
@@ -135,45 +160,27 @@ def bench_smsplit(args, rank, device, dtype, clock, data):
         else:
             pipe.step(num_chunks=args.chunks)
 
-    if clock.cuda:
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    result = time_steps(run_step, clock, args.warmup, args.steps, None)
-    result["peak_memory_gib"] = peak_memory(clock.cuda)
-
-    # one more step with an event pair around every op
-    marks = []
-    pipe.op_hook = lambda op, when: marks.append((op, when, clock.mark()))
-    clock.sync()
-    dist.barrier()
-    start = clock.mark()
-    run_step()
-    end = clock.mark()
-    clock.sync()
-    pipe.op_hook = None
-    ops = []
-    for (op, w0, a), (op1, w1, b) in zip(marks[::2], marks[1::2]):
-        assert op == op1 and (w0, w1) == ("start", "end")
-        ops.append((op, clock.ms(start, a), clock.ms(start, b)))
-    assert [o for o, _, _ in ops] == schedule("dualpipev", RANKS, args.chunks)[rank]
-    result["timeline"] = {"step_ms": clock.ms(start, end),
-                          "ops": [[str(op), op.kind, op.module, op.chunk, op.b_module, op.b_chunk, op.split, s, e]
-                                  for op, s, e in ops]}
-    del pipe, m0, m1
+    result = time_steps(run_step, cuda, args.warmup, args.steps)
+    result["peak_memory_gib"] = peak_memory(cuda)
+    result["timeline"] = record_timeline(pipe, run_step, cuda)
+    assert [o[0] for o in result["timeline"]["ops"]] == [str(o) for o in schedule("dualpipev", RANKS, args.chunks)[rank]]
     return result
 
 
-def bench_torch(args, name, rank, device, dtype, clock, data):
+def bench_torch(args, name, rank, device, dtype, cuda, data):
     from torch.distributed import pipelining as pl
 
     if not hasattr(pl, name):
         return {"skipped": f"torch {torch.__version__} has no torch.distributed.pipelining.{name}"}
     try:
-        return _bench_torch(args, pl, name, rank, device, dtype, clock, data)
-    except Exception as e:  # recorded: one schedule failing must not lose the others' figures
+        return _bench_torch(args, pl, name, rank, device, dtype, cuda, data)
+    except Exception as e:  # noqa: BLE001 -- recorded: one schedule failing must not lose the others' figures
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _bench_torch(args, pl, name, rank, device, dtype, clock, data):
+def _bench_torch(args, pl, name, rank, device, dtype, cuda, data):
     x, y = data
     cls = getattr(pl, name)
     if name == "ScheduleDualPipeV":
@@ -194,38 +201,66 @@ def _bench_torch(args, pl, name, rank, device, dtype, clock, data):
         kwargs = {"target": y, "losses": []} if last else {}
         sched.step(*((x,) if first else ()), **kwargs)
 
-    if clock.cuda:
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    result = time_steps(run_step, clock, args.warmup, args.steps, None)
-    result["peak_memory_gib"] = peak_memory(clock.cuda)
-    del sched, mods
+    result = time_steps(run_step, cuda, args.warmup, args.steps)
+    result["peak_memory_gib"] = peak_memory(cuda)
     return result
 
 
-def summarize_timeline(args, per_rank: list[dict]) -> dict:
-    """Measured busy/bubble per rank, mean op times, and the simulator's prediction."""
-    ranks = []
-    kinds: dict[str, list[float]] = {"F": [], "B": [], "Bi": [], "W": [], "FB": []}
-    rank_kinds = [{k: [] for k in kinds} for _ in per_rank]
-    step_ms = max(r["timeline"]["step_ms"] for r in per_rank)
-    timed = []
+def _mean(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def analyse(chunks: int, raw: list[dict]) -> dict:
+    """Measured bubble per rank, what the op timelines say about the gaps between ops, and the
+    simulator's predictions from the measured op times, op overhead and message latency.
+
+    raw[r]: rank r's record_timeline() and its p2p_message_ms. Returns a JSON-able dict, plus
+    "_measured" and "_simulated" (Simulations, for the figures)."""
     where = stage_of("dualpipev", RANKS)
-    for rank, rec in enumerate(per_rank):
-        row = []
-        busy = 0.0
-        for _, kind, module, chunk, b_module, b_chunk, split, s, e in rec["timeline"]["ops"]:
+    plans = comm_plans("dualpipev", RANKS, chunks)
+    ranks, timed = [], []
+    kinds = ("F", "B", "Bi", "W", "FB")
+    rank_kinds = [{k: [] for k in kinds} for _ in raw]
+    gap_rows = []
+    for rank, rec in enumerate(raw):
+        ops = [dict(zip(rec["timeline"]["op_fields"], o)) for o in rec["timeline"]["ops"]]
+        row, busy = [], 0.0
+        for o in ops:
+            s, e = o["start_ms"], o["end_ms"]
             busy += e - s
-            name = "Bi" if kind == "B" and split else kind
-            kinds[name].append(e - s)
-            rank_kinds[rank][name].append(e - s)
-            op = Op(kind, module, chunk, b_module, b_chunk, split)
-            lane, stage = where[(rank, module)]
-            b_lane, b_stage = where[(rank, b_module)] if kind == "FB" else (lane, stage)
+            rank_kinds[rank]["Bi" if o["kind"] == "B" and o["split"] else o["kind"]].append(e - s)
+            op = Op(o["kind"], o["module"], o["chunk"], o["b_module"], o["b_chunk"], o["split"])
+            lane, stage = where[(rank, op.module)]
+            b_lane, b_stage = where[(rank, op.b_module)] if op.kind == "FB" else (lane, stage)
             row.append(TimedOp(op, lane, stage, b_lane, b_stage, s, e))
         timed.append(row)
-        ranks.append({"step_ms": rec["timeline"]["step_ms"], "busy_ms": busy,
-                      "bubble_ms": rec["timeline"]["step_ms"] - busy,
-                      "first_op_ms": row[0].start if row else 0.0, "last_op_ms": row[-1].end if row else 0.0})
+        # the p2p batches the runtime posts before each op (comm_plan order), by round
+        before, pending = [], []
+        for rnd, item in plans[rank]:
+            if rnd is None:
+                before.append(pending)
+                pending = []
+            else:
+                pending.append((rnd, item))
+        gaps = {"direct": [], "batch": []}
+        for i in range(1, len(ops)):
+            gaps["batch" if before[i] else "direct"].append(ops[i]["start_ms"] - ops[i - 1]["end_ms"])
+        # host_ahead: how long before the device reached an op the host had queued it; about 0
+        # when the device waited for the host (launch-bound)
+        ahead = [o["start_ms"] - o["host_start_ms"] for o in ops]
+        gap_rows.append((ops, before))
+        ranks.append({
+            "step_ms": rec["timeline"]["step_ms"], "busy_ms": busy,
+            "bubble_ms": rec["timeline"]["step_ms"] - busy,
+            "first_op_ms": ops[0]["start_ms"], "last_op_ms": ops[-1]["end_ms"],
+            "gaps_ms": {k: {"n": len(v), "mean": _mean(v), "median": statistics.median(v) if v else None,
+                            "max": max(v, default=None), "sum": sum(v)} for k, v in gaps.items()},
+            "op_overhead_ms": _mean(gaps["direct"]) or 0.0,
+            "host_ahead_ms": {"min": min(ahead[1:], default=None), "median": statistics.median(ahead),
+                              "ops_within_0.05ms": sum(a < 0.05 for a in ahead[1:])},
+        })
     # The schedule's own span, as the simulator sees it: from rank 0's first op (it waits for
     # nothing) to the last op on any rank. Outside it each step also does host work the simulator
     # does not model (argument checks, the header all-reduce, chunking inputs, the loss). Each rank's
@@ -235,40 +270,121 @@ def summarize_timeline(args, per_rank: list[dict]) -> dict:
     for r in ranks:
         r["bubble_in_schedule_ms"] = (end - t0) - r["busy_ms"]
 
-    def simulator_inputs(times):
-        mean = {k: (statistics.fmean(v) if v else None) for k, v in times.items()}
-        # W: measured directly; B: a full backward where the schedule ran one, else split B + W
-        W = mean["W"] or 0.0
-        B = mean["B"] if mean["B"] is not None else (mean["Bi"] or 0.0) + W
-        FB = mean["FB"] if mean["FB"] is not None else mean["F"] + B
-        return mean, {"F": mean["F"], "B": B, "W": W, "FB": FB}
+    # p2p latency seen in the timeline (2 ranks). Both ends of a batch leave it at the same moment
+    # (each waits for the whole NCCL group), so the starts of the ops after matching batches give
+    # the offset between the ranks' clocks; the batch's transfer time is then from the later of
+    # the two posts (the end of the op before it) to that moment (the host has queued the next op
+    # while the stream waited, so no op overhead is added).
+    from_timeline = None
+    if RANKS == 2:
+        pairs = {}
+        for rank, (ops, before) in enumerate(gap_rows):
+            for i in range(1, len(ops)):
+                if before[i]:  # the last batch before op i ends when op i can start
+                    rnd, batch = before[i][-1]
+                    post = ops[i - 1]["end_ms"] if len(before[i]) == 1 else None
+                    pairs.setdefault(rnd, {})[rank] = (post, ops[i]["start_ms"], batch)
+        pairs = {k: v for k, v in pairs.items() if len(v) == 2 and None not in (v[0][0], v[1][0])}
+        if pairs:
+            offset = statistics.median(v[0][1] - v[1][1] for v in pairs.values())  # rank 1 -> rank 0 clock
+            per_message = []
+            for v in pairs.values():
+                (p0, s0, batch), (p1, _, _) = v[0], v[1]
+                n = max(_batch_peers(0, batch).values())
+                per_message.append((s0 - max(p0, p1 + offset)) / n)
+            from_timeline = {"batches": len(pairs), "rank1_clock_offset_ms": offset,
+                             "latency_ms_per_message": statistics.median(per_message),
+                             "latency_ms_per_message_all": per_message}
 
-    mean, pooled = simulator_inputs(kinds)
-    own = [simulator_inputs(t)[1] for t in rank_kinds]  # each rank's own mean op times
-    latency = max(r.get("p2p_message_ms", 0.0) for r in per_rank)
-    sim = simulate("dualpipev", RANKS, args.chunks, **{k: [o[k] for o in own] for k in ("F", "B", "W", "FB")},
-                   latency=latency)
-    sim_pooled = simulate("dualpipev", RANKS, args.chunks, **pooled)
-    measured = Simulation("dualpipev", RANKS, args.chunks, timed, step_ms,
-                          [r["busy_ms"] for r in ranks], [step_ms - r["busy_ms"] for r in ranks],
-                          sim.peak_activations)
+    inputs = []
+    for t in rank_kinds:
+        mean = {k: _mean(v) for k, v in t.items()}
+        W = mean["W"] or 0.0
+        B = mean["B"] if mean["B"] is not None else (mean["Bi"] or 0.0) + W  # full backward
+        inputs.append({"F": mean["F"], "B": B, "W": W, "FB": mean["FB"] if mean["FB"] is not None else mean["F"] + B,
+                       "Bi": mean["Bi"] if mean["Bi"] is not None else B - W})
+    latency = max(r.get("p2p_message_ms", 0.0) for r in raw)
+    overhead = [r["op_overhead_ms"] for r in ranks]
+    times = {k: [i[k] for i in inputs] for k in ("F", "B", "W", "FB", "Bi")}
+    variants = {  # name -> simulate() arguments besides the op times
+        "previous: inputs, Bi = B - W": {"sync": "inputs", "Bi": None},
+        "inputs": {"sync": "inputs"},
+        "inputs + op_overhead": {"sync": "inputs", "op_overhead": overhead},
+        "batches": {"sync": "batches"},
+        "batches + op_overhead": {"sync": "batches", "op_overhead": overhead},
+    }
+    if from_timeline and from_timeline["latency_ms_per_message"] > 0:
+        variants["batches + op_overhead, timeline latency"] = {
+            "sync": "batches", "op_overhead": overhead, "latency": from_timeline["latency_ms_per_message"]}
+    main_variant = "batches + op_overhead"
+    measured_bubble = [r["bubble_in_schedule_ms"] for r in ranks]
+    predictions, sims = {}, {}
+    for name, kw in variants.items():
+        kw = {"latency": latency, **times, **kw}
+        sim = sims[name] = simulate("dualpipev", RANKS, chunks, **kw)
+        predictions[name] = {
+            "total_ms": sim.total, "busy_ms_per_rank": sim.busy, "bubble_ms_per_rank": sim.bubble,
+            "measured_over_predicted": [m / p if p else None for m, p in zip(measured_bubble, sim.bubble)],
+            "within_10pct": [abs(m - p) <= 0.1 * abs(p) for m, p in zip(measured_bubble, sim.bubble)],
+            "latency_ms": kw["latency"], "op_overhead_ms": kw.get("op_overhead", 0.0), "sync": kw["sync"],
+        }
+    sim = sims[main_variant]
+    pooled = {k: _mean([x for t in rank_kinds for x in t[k]]) for k in kinds}
+    step_ms = max(r["step_ms"] for r in ranks)
+    measured = Simulation("dualpipev", RANKS, chunks, timed, step_ms, [r["busy_ms"] for r in ranks],
+                          [step_ms - r["busy_ms"] for r in ranks], sim.peak_activations)
+    side_by_side = [[[str(m.op), m.start - t0, m.end - t0, p.start, p.end] for m, p in zip(mrow, prow)]
+                    for mrow, prow in zip(timed, sim.ops)]
     return {
         "per_rank": ranks,
-        "mean_op_ms": mean,
-        "simulator_inputs_ms_per_rank": own,
-        "simulator_latency_ms": latency,
-        "predicted": {"total_ms": sim.total, "bubble_ms_per_rank": sim.bubble,
-                      "peak_activations_per_rank": sim.peak_activations},
-        "predicted_from_pooled_means": {"inputs_ms": pooled, "total_ms": sim_pooled.total,
-                                        "bubble_ms_per_rank": sim_pooled.bubble},
-        "measured_vs_predicted_bubble_ms": [[r["bubble_in_schedule_ms"], p] for r, p in zip(ranks, sim.bubble)],
         "schedule_span_ms": end - t0,
+        "measured_bubble_in_schedule_ms": measured_bubble,
+        "mean_op_ms": pooled,
+        "simulator_inputs_ms_per_rank": inputs,
+        "simulator_latency_ms": latency,
+        "simulator_op_overhead_ms_per_rank": overhead,
+        "latency_from_timeline": from_timeline,
+        "main_model": main_variant,
+        "predicted": {"total_ms": sim.total, "bubble_ms_per_rank": sim.bubble,
+                      "peak_activations_per_rank": sim.peak_activations, **predictions[main_variant]},
+        "predictions": predictions,
+        "measured_vs_predicted_bubble_ms": [[m, p] for m, p in zip(measured_bubble, sim.bubble)],
+        "ops_measured_vs_predicted": {"fields": ["op", "measured_start_ms", "measured_end_ms",
+                                                 "predicted_start_ms", "predicted_end_ms"],
+                                      "note": "measured times from rank 0's first op start, each rank on its own clock",
+                                      "per_rank": side_by_side},
+        "raw": raw,
         "_measured": measured,
         "_simulated": sim,
     }
 
 
-def p2p_message_ms(args, rank, device, dtype, clock) -> float:
+def print_summary(timeline: dict) -> None:
+    measured = timeline["measured_bubble_in_schedule_ms"]
+    cols = " ".join(f"{'rank ' + str(r) + ' ms':>10s} {'meas/pred':>9s}" for r in range(len(measured)))
+    print(f"  DualPipeV bubble in the schedule span (span {timeline['schedule_span_ms']:.2f} ms)")
+    print(f"    {'':52s} {cols} {'total ms':>9s}")
+    print(f"    {'measured':52s} " + " ".join(f"{m:10.2f} {'':9s}" for m in measured)
+          + f" {timeline['schedule_span_ms']:9.2f}")
+    for name, p in timeline["predictions"].items():
+        star = "*" if name == timeline["main_model"] else " "
+        cells = " ".join(f"{b:10.2f} {q:8.2f}{'+' if ok else ' '}" for b, q, ok in
+                         zip(p["bubble_ms_per_rank"], p["measured_over_predicted"], p["within_10pct"]))
+        print(f"   {star}{'predicted, ' + name:52s} {cells} {p['total_ms']:9.2f}")
+    print("    (* main model; + within 10%)")
+    lat = timeline["latency_from_timeline"]
+    print("    op overhead (mean gap between ops with no p2p batch between) ms per rank:",
+          [round(x, 4) for x in timeline["simulator_op_overhead_ms_per_rank"]],
+          f"; p2p message {timeline['simulator_latency_ms']:.4f} ms (ping-pong)"
+          + (f", {lat['latency_ms_per_message']:.4f} ms (timeline, {lat['batches']} batches)" if lat else ""))
+    for r, rec in enumerate(timeline["per_rank"]):
+        g = rec["gaps_ms"]
+        print(f"    rank {r}: gaps after a p2p batch n={g['batch']['n']} sum {g['batch']['sum']:.2f} ms, "
+              f"other gaps n={g['direct']['n']} sum {g['direct']['sum']:.2f} ms; host ahead of device: "
+              f"min {rec['host_ahead_ms']['min']:.3f} ms, {rec['host_ahead_ms']['ops_within_0.05ms']} ops within 0.05 ms")
+
+
+def p2p_message_ms(args, rank, device, dtype, cuda) -> float:
     """Time of one activation message (micro-batch x seq x hidden) between the two ranks:
     ping-pong with the same batched p2p calls the schedule uses, half the round trip."""
     t = torch.randn(args.micro_batch, args.seq, args.hidden, device=device).to(dtype)
@@ -281,16 +397,8 @@ def p2p_message_ms(args, rank, device, dtype, clock) -> float:
             for work in dist.batch_isend_irecv([op]):
                 work.wait()
 
-    for _ in range(3):
-        ping_pong()
-    dist.barrier()
-    start = clock.mark()
-    for _ in range(10):
-        ping_pong()
-    end = clock.mark()
-    if clock.cuda:
-        end.synchronize()
-    return clock.ms(start, end) / 10 / 2
+    times = call_times_ms(ping_pong, warmup=3, repeat=5, inner=10, before=dist.barrier, cuda=cuda)
+    return statistics.median(times) / 2
 
 
 def worker(rank: int, args, port: int, queue) -> None:
@@ -305,16 +413,15 @@ def worker(rank: int, args, port: int, queue) -> None:
                             rank=rank, world_size=RANKS, timeout=timedelta(seconds=120),
                             **({"device_id": device} if cuda else {}))
     dtype = torch.bfloat16 if cuda else torch.float32
-    clock = Clock(cuda)
     g = torch.Generator(device="cpu").manual_seed(0)
     shape = (args.chunks * args.micro_batch, args.seq, args.hidden)
     data = (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
-    out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, clock, data)}
-    out["smsplit.DualPipeV"]["p2p_message_ms"] = p2p_message_ms(args, rank, device, dtype, clock)
+    out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, cuda, data)}
+    out["smsplit.DualPipeV"]["p2p_message_ms"] = p2p_message_ms(args, rank, device, dtype, cuda)
     for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleDualPipeV"):
         if cuda:
             torch.cuda.empty_cache()
-        out[f"torch.{name}"] = bench_torch(args, name, rank, device, dtype, clock, data)
+        out[f"torch.{name}"] = bench_torch(args, name, rank, device, dtype, cuda, data)
     queue.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -331,7 +438,15 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=8, help="micro-batches per step (>= 4)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--reanalyse", metavar="JSON", help="no run: redo the bubble analysis of a results file "
+                   "(its dualpipev_timeline.raw) and print it; works on a CPU")
     args = p.parse_args()
+    if args.reanalyse:
+        import json
+
+        saved = json.loads(Path(args.reanalyse).read_text())
+        print_summary(analyse(saved["config"]["chunks"], saved["dualpipev_timeline"]["raw"]))
+        return
     if args.smoke:
         args.hidden, args.heads, args.blocks_per_stage, args.seq = 64, 4, 1, 16
         args.micro_batch, args.chunks, args.warmup, args.steps = 2, 4, 1, 2
@@ -364,14 +479,16 @@ def main() -> None:
         if "median_ms" in entry:
             entry["tokens_per_s"] = args.chunks * args.micro_batch * args.seq / (entry["median_ms"] / 1e3)
         per_schedule[name] = entry
-    timeline = summarize_timeline(args, [results[r]["smsplit.DualPipeV"] for r in range(RANKS)])
+    timeline = analyse(args.chunks, [{k: results[r]["smsplit.DualPipeV"][k] for k in ("timeline", "p2p_message_ms")}
+                                     for r in range(RANKS)])
     FIGURES.mkdir(parents=True, exist_ok=True)
     measured_png = FIGURES / f"pipeline_measured{suffix}.png"
     simulated_png = FIGURES / f"pipeline_simulated{suffix}.png"
     timeline.pop("_measured").save_png(
         str(measured_png), title=f"smsplit DualPipeV measured, {RANKS} ranks, {args.chunks} chunks (ms)")
     timeline.pop("_simulated").save_png(
-        str(simulated_png), title="simulate('dualpipev') from measured F/B/W/F&B (ms)")
+        str(simulated_png), title=f"simulate('dualpipev') [{timeline['main_model']}] from measured "
+        "F/B/Bi/W/F&B, op overhead and message time (ms)")
 
     tokens = args.chunks * args.micro_batch * args.seq
     payload = {
@@ -383,13 +500,17 @@ def main() -> None:
                    "backend": "gloo" if args.smoke else "nccl"},
         "notes": [
             "step time = the slower rank's median over steps; each step starts after a barrier",
-            "smsplit.DualPipeV uses smsplit.pipeline.Linear (W deferred in zero-bubble steps); "
-            "the modules define no overlapped_forward_backward, so an F&B runs F then B",
+            ("smsplit.DualPipeV uses smsplit.pipeline.Linear (W deferred in zero-bubble steps); "
+             "the modules define no overlapped_forward_backward, so an F&B runs F then B"),
             "torch 1F1B/GPipe: 2 stages (each = 2 of our stages) on 2 ranks; DualPipeV: 4 stages, V-shaped",
-            "measured bubble = step time - sum of op times on the rank (one extra step with CUDA "
-            "events around every op); predicted = simulate('dualpipev') with each rank's measured mean op times and the measured "
-            "time of one activation message as the latency "
-            "(predicted_from_pooled_means: one mean over both ranks)",
+            ("dualpipev_timeline: one more step with CUDA events (and host times) at the start and end of "
+             "every op. Measured bubble per rank = the schedule's span (rank 0's first op start to the last "
+             "op end on any rank) - the rank's summed op times. Predicted = simulate('dualpipev') fed each "
+             "rank's mean F, B, Bi (split backward), W and F&B, so predicted busy = measured busy; "
+             "op_overhead = the rank's mean gap between consecutive ops with no p2p batch between them; "
+             "latency = one activation message (ping-pong). Variants in 'predictions': sync='inputs' (an op "
+             "waits only for its own messages) or 'batches' (every p2p batch of comm_plan is a rendezvous, "
+             "as the NCCL runtime), with and without op_overhead; 'main_model' is the one in 'predicted'"),
         ],
         "schedules": per_schedule,
         "dualpipev_timeline": timeline,
@@ -402,10 +523,7 @@ def main() -> None:
     for name, entry in per_schedule.items():
         figure = entry.get("median_ms") or entry.get("skipped") or entry.get("error")
         print(f"  {name:28s} {figure}")
-    pred = timeline["predicted"]["bubble_ms_per_rank"]
-    print("  DualPipeV bubble ms in the schedule span, measured vs predicted:",
-          [(round(r["bubble_in_schedule_ms"], 2), round(p_, 2)) for r, p_ in zip(timeline["per_rank"], pred)],
-          "; step - busy:", [round(r["bubble_ms"], 2) for r in timeline["per_rank"]])
+    print_summary(timeline)
 
 
 if __name__ == "__main__":

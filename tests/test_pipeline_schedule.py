@@ -15,12 +15,13 @@ Conventions (DeepSeek-V3 report, Table 2; DualPipe README):
 
 from __future__ import annotations
 
+import itertools
 import struct
 from types import SimpleNamespace
 
 import pytest
 
-from smsplit.pipeline import Batch, Op, comm_plan, schedule, simulate
+from smsplit.pipeline import Batch, Op, comm_plan, comm_plans, schedule, simulate
 from smsplit.pipeline.schedule import check_chunks, header_first
 
 PPS = [2, 4, 6, 8]
@@ -292,7 +293,7 @@ def test_timeline_ops_do_not_overlap_and_respect_order():
     sim = simulate("dualpipe", 4, 12, 1.0, 2.0, 0.7, 2.4)
     for r, row in enumerate(sim.ops):
         assert [t.op for t in row] == schedule("dualpipe", 4, 12)[r]
-        for a, b in zip(row, row[1:]):
+        for a, b in itertools.pairwise(row):
             assert a.end <= b.start + 1e-12
 
 
@@ -327,3 +328,114 @@ def test_per_rank_op_times_shift_the_bubble_to_the_faster_rank():
     assert skewed.bubble[0] > skewed.bubble[1]
     with pytest.raises(ValueError, match="one time for every rank"):
         simulate("dualpipev", 2, 8, F=[1.0, 1.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# op overhead, split-backward time, batch rendezvous (bench/pipeline.py feeds these measured)
+
+
+def spans(sim):
+    return [[(str(t.op), t.start, t.end) for t in row] for row in sim.ops]
+
+
+def test_op_overhead_hand_checked():
+    """1F1B, 2 ranks, 2 micro-batches, F=1, B=2. Rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1.
+    Without overhead: rank 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; rank 1 F0 [1,2] B0 [2,4] F1 [4,5]
+    B1 [5,7]. With op_overhead=0.5 every op starts >= 0.5 after its rank's previous op, but the
+    gap overlaps waiting: rank 0's B0 and B1 wait longer than that for rank 1's gradients."""
+    base = simulate("1f1b", 2, 2, F=1.0, B=2.0)
+    assert spans(base) == [[("F0.0", 0, 1), ("F0.1", 1, 2), ("B0.0", 4, 6), ("B0.1", 7, 9)],
+                           [("F0.0", 1, 2), ("B0.0", 2, 4), ("F0.1", 4, 5), ("B0.1", 5, 7)]]
+    sim = simulate("1f1b", 2, 2, F=1.0, B=2.0, op_overhead=0.5)
+    assert spans(sim) == [[("F0.0", 0, 1), ("F0.1", 1.5, 2.5), ("B0.0", 4.5, 6.5), ("B0.1", 8.5, 10.5)],
+                          [("F0.0", 1, 2), ("B0.0", 2.5, 4.5), ("F0.1", 5, 6), ("B0.1", 6.5, 8.5)]]
+    assert sim.total == 10.5 and sim.busy == base.busy  # the gap is bubble, not busy time
+    assert sim.bubble == [10.5 - 6, 10.5 - 6]
+    # per rank: only rank 1 pays it
+    one = simulate("1f1b", 2, 2, F=1.0, B=2.0, op_overhead=[0.0, 0.5])
+    assert spans(one)[1] == [("F0.0", 1, 2), ("B0.0", 2.5, 4.5), ("F0.1", 5, 6), ("B0.1", 6.5, 8.5)]
+    assert spans(one)[0] == [("F0.0", 0, 1), ("F0.1", 1, 2), ("B0.0", 4.5, 6.5), ("B0.1", 8.5, 10.5)]
+    with pytest.raises(ValueError, match="op_overhead: give one time for every rank"):
+        simulate("1f1b", 2, 2, op_overhead=[0.1, 0.2, 0.3])
+
+
+def test_single_rank_overhead_adds_one_gap_per_op():
+    """One rank waits for nothing: n ops take n-1 gaps longer."""
+    n = len(schedule("dualpipev", 1, 4)[0])
+    assert simulate("dualpipev", 1, 4, op_overhead=0.25).total == pytest.approx(
+        simulate("dualpipev", 1, 4).total + 0.25 * (n - 1))
+
+
+def test_split_backward_time_bi():
+    """ZB1P on one rank: F0 Bi0 W0 F1 Bi1 W1; a split B takes Bi (default B - W)."""
+    assert [str(o) for o in schedule("zb1p", 1, 2)[0]] == ["F0.0", "Bi0.0", "W0.0", "F0.1", "Bi0.1", "W0.1"]
+    assert simulate("zb1p", 1, 2, F=1.0, B=3.0, W=1.0).total == 2 * (1 + 2 + 1)
+    sim = simulate("zb1p", 1, 2, F=1.0, B=3.0, W=1.0, Bi=1.5)
+    assert sim.total == 2 * (1 + 1.5 + 1) and sim.busy == [7.0]
+
+
+def test_batches_rendezvous_hand_checked():
+    """1F1B, 2 ranks, 2 micro-batches, F=1, B=2, latency 0.5. Plans (comm_plans):
+    rank 0: F0 [send a0] F1 [send a1] [recv g0] B0 [recv g1] B1
+    rank 1: [recv a0] F0 [recv a1] B0 [send g0] F1 B1 [send g1]
+    sync="inputs": an op waits for its own messages (+0.5). sync="batches": each batch completes
+    0.5 after both ends posted it and holds up the rank that posted it, sender included: rank 1's
+    F1 waits for its send of g0, which rank 0 posts at 3 but rank 1 only at 5 (after B0)."""
+    plans = comm_plans("1f1b", 2, 2)
+    show = [[str(x) if r is None else (r, [m.kind[0] + str(m.chunk) for m in x.sends],
+                                       [m.kind[0] + str(m.chunk) for m in x.recvs]) for r, x in plan]
+            for plan in plans]
+    assert show == [["F0.0", (1, ["a0"], []), "F0.1", (2, ["a1"], []), (3, [], ["g0"]), "B0.0",
+                     (5, [], ["g1"]), "B0.1"],
+                    [(1, [], ["a0"]), "F0.0", (2, [], ["a1"]), "B0.0", (3, ["g0"], []), "F0.1", "B0.1",
+                     (5, ["g1"], [])]]
+    inputs = simulate("1f1b", 2, 2, F=1.0, B=2.0, latency=0.5)
+    assert spans(inputs) == [[("F0.0", 0, 1), ("F0.1", 1, 2), ("B0.0", 5, 7), ("B0.1", 8, 10)],
+                             [("F0.0", 1.5, 2.5), ("B0.0", 2.5, 4.5), ("F0.1", 4.5, 5.5), ("B0.1", 5.5, 7.5)]]
+    batches = simulate("1f1b", 2, 2, F=1.0, B=2.0, latency=0.5, sync="batches")
+    assert spans(batches) == [[("F0.0", 0, 1), ("F0.1", 1.5, 2.5), ("B0.0", 5.5, 7.5), ("B0.1", 9, 11)],
+                              [("F0.0", 1.5, 2.5), ("B0.0", 3, 5), ("F0.1", 5.5, 6.5), ("B0.1", 6.5, 8.5)]]
+    # two messages one way in one batch take twice the latency (they share the link)
+    two = simulate("dualpipev", 2, 4, latency=0.5, sync="batches")
+    assert two.total > simulate("dualpipev", 2, 4, latency=0.5).total
+    with pytest.raises(ValueError, match="sync must be one of"):
+        simulate("1f1b", 2, 2, sync="ops")
+
+
+def test_batch_peers_counts_messages_one_way():
+    from smsplit.pipeline.schedule import Message, _batch_peers
+
+    b = Batch(sends=[Message("act", 0, 1, 0, 0, 3), Message("grad", 0, 1, 1, 1, 1)],
+              recvs=[Message("act", 1, 0, 1, 1, 2), Message("grad", 1, 0, 0, 0, 0), Message("act", 2, 0, 0, 1, 0)])
+    assert _batch_peers(0, b) == {1: 2, 2: 1}
+
+
+@pytest.mark.parametrize("kind, ranks, chunks", [("1f1b", 4, 8), ("zb1p", 3, 6), ("dualpipe", 4, 10),
+                                                 ("dualpipev", 2, 8), ("dualpipev", 3, 7)])
+def test_batches_never_earlier_than_inputs_and_overhead_respected(kind, ranks, chunks):
+    """A batch holds a rank up at least as long as the messages its next ops need (it carries
+    them, and waits for the other end), so no op starts earlier than under sync="inputs"."""
+    times = {"F": [1.0 + 0.1 * r for r in range(ranks)], "B": 2.1, "W": 0.6, "FB": 2.7}
+    for overhead in (0.0, 0.2):
+        a = simulate(kind, ranks, chunks, latency=0.3, op_overhead=overhead, **times)
+        b = simulate(kind, ranks, chunks, latency=0.3, op_overhead=overhead, sync="batches", **times)
+        assert a.busy == pytest.approx(b.busy)
+        for ra, rb in zip(a.ops, b.ops):
+            assert [t.op for t in ra] == [t.op for t in rb]
+            assert all(y.start >= x.start - 1e-9 for x, y in zip(ra, rb))
+            assert all(y.start >= x.end + overhead - 1e-9 for x, y in itertools.pairwise(rb))
+
+
+@pytest.mark.parametrize("kind, ranks, chunks", [("dualpipe", 4, 8), ("dualpipev", 3, 7), ("zb1p", 4, 8)])
+def test_comm_plans_rounds_match_at_both_ends(kind, ranks, chunks):
+    plans = comm_plans(kind, ranks, chunks)
+    for rank, plan in enumerate(plans):
+        assert [x for _, x in plan] == comm_plan(kind, ranks, chunks, rank)
+        assert all((r is None) == isinstance(x, Op) for r, x in plan)
+    batches = [{r: x for r, x in plan if r is not None} for plan in plans]
+    for rank in range(ranks):
+        for r, batch in batches[rank].items():
+            for m in batch.sends:
+                assert m in batches[m.dst][r].recvs
+            for m in batch.recvs:
+                assert m in batches[m.src][r].sends

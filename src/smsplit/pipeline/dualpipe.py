@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .schedule import (Batch, Op, check_chunks, chunks_per_lane, comm_plan, header_first, lanes)
+from .schedule import (
+    Batch,
+    Op,
+    check_chunks,
+    chunks_per_lane,
+    comm_plan,
+    header_first,
+    lanes,
+)
 from .weight_grad import WeightGradStore
 
 HEADER_LEN = 64

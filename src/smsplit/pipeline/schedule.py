@@ -91,10 +91,9 @@ def check_chunks(kind: str, pp: int, chunks: int) -> None:
             raise ValueError(
                 f"DualPipe with {pp} ranks needs an even num_chunks >= 2*ranks = {2 * pp} "
                 f"(half of the micro-batches enter at each end); got {chunks}, try {good}")
-    elif kind == "dualpipev":
-        if chunks < 2 * pp:
-            raise ValueError(
-                f"DualPipeV with {pp} ranks needs num_chunks >= 2*ranks = {2 * pp}; got {chunks}")
+    elif kind == "dualpipev" and chunks < 2 * pp:
+        raise ValueError(
+            f"DualPipeV with {pp} ranks needs num_chunks >= 2*ranks = {2 * pp}; got {chunks}")
 
 
 def schedule(kind: str, pp: int, chunks: int) -> list[list[Op]]:
@@ -291,22 +290,29 @@ def comm_plan(kind: str, pp: int, chunks: int, rank: int, forward_only: bool = F
     are posted in the same order on both ends, as NCCL requires. A message may thus arrive
     before the op that needs it. In forward_only mode gradients are not sent.
     """
+    return [item for _, item in comm_plans(kind, pp, chunks, forward_only)[rank]]
+
+
+def comm_plans(kind: str, pp: int, chunks: int, forward_only: bool = False) -> list[list[tuple]]:
+    """Every rank's `comm_plan` as (round, item) pairs: round is a `Batch`'s round number, the
+    same in the batches that hold the two ends of a message, and None for an `Op`."""
     all_ops = schedule(kind, pp, chunks)
     nbrs = _neighbours(kind, pp)
     timed, _ = _timeline(kind, pp, all_ops, lambda rank, op: 1.0, 0.0)
-    by_round: dict[int, Batch] = {}
+    by_round: list[dict[int, Batch]] = [{} for _ in range(pp)]
     for src in range(pp):
         for t in timed[src]:
             for msg in _produced(src, t.op, nbrs):
                 if forward_only and msg.kind == "grad":
                     continue
-                if src == rank:
-                    by_round.setdefault(int(t.end), Batch()).sends.append(msg)
-                elif msg.dst == rank:
-                    by_round.setdefault(int(t.end), Batch()).recvs.append(msg)
-    items = [((t.start, 1), t.op) for t in timed[rank]]
-    items += [((float(r), 0), b) for r, b in by_round.items()]
-    return [x for _, x in sorted(items, key=lambda kv: kv[0])]
+                by_round[src].setdefault(int(t.end), Batch()).sends.append(msg)
+                by_round[msg.dst].setdefault(int(t.end), Batch()).recvs.append(msg)
+    plans = []
+    for rank in range(pp):
+        items = [((t.start, 1), None, t.op) for t in timed[rank]]
+        items += [((float(r), 0), r, b) for r, b in by_round[rank].items()]
+        plans.append([(r, x) for _, r, x in sorted(items, key=lambda kv: kv[0])])
+    return plans
 
 
 def header_first(batch: Batch, known: set) -> list[list[tuple[str, Message, bool]]]:
@@ -416,27 +422,53 @@ def _per_rank(value, pp: int, name: str) -> list[float]:
     return values
 
 
-def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, latency: float = 0.0) -> Simulation:
+SYNCS = ("inputs", "batches")
+
+
+def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, latency: float = 0.0, *,
+             Bi=None, op_overhead=0.0, sync: str = "inputs") -> Simulation:
     """Time `schedule(kind, pp, chunks)` with dependency tracking.
 
     kind: "1f1b", "zb1p", "dualpipe" or "dualpipev"; pp: number of ranks (dualpipev runs 2*pp
     stages); chunks: micro-batches per step (dualpipe: half enter at each end).
     F, B, W: times of one stage's forward, full backward (input and weight gradients) and weight
-    gradient for one micro-batch; a split B takes B - W. FB: time of an "FB" op (default F + B,
-    no overlap). Each is one number, or a sequence of one number per rank (ranks whose stages
-    run at different speeds). latency: delay of each message between ranks.
-    An op starts when its rank is free and the messages it needs have arrived.
+    gradient for one micro-batch. FB: time of an "FB" op (default F + B, no overlap). Bi: time of
+    a split ("input only") backward (default B - W). Each of F, B, W, FB, Bi is one number, or a
+    sequence of one number per rank (ranks whose stages run at different speeds).
+    op_overhead: host/launch gap before each op: an op starts no earlier than op_overhead after
+      the end of the previous op on its rank (nothing before a rank's first op). It overlaps with
+      waiting for messages: start = max(previous end + op_overhead, messages ready). One number
+      or one per rank. Default 0.
+    sync: how messages hold ops up.
+      "inputs" (default): an op waits only for the messages it needs; each arrives `latency`
+        after the end of the op that produced it.
+      "batches": each rank walks `comm_plan(kind, pp, chunks, rank)` and every batch of it is a
+        rendezvous, as NCCL's batched point-to-point (the stream waits for the whole group, sends
+        included): a rank posts a batch when its previous op or batch has finished, and the batch
+        completes, for each rank it exchanges with, latency * n after the later of the two posts,
+        n being the most messages it carries one way between the two (messages of one size that
+        share the link). Nothing after the batch starts on the rank before it completes.
+    latency: delay of one message between ranks.
     """
+    if sync not in SYNCS:
+        raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
     ops = schedule(kind, pp, chunks)
     F, B, W = _per_rank(F, pp, "F"), _per_rank(B, pp, "B"), _per_rank(W, pp, "W")
     FB = [f + b for f, b in zip(F, B)] if FB is None else _per_rank(FB, pp, "FB")
+    Bi = [b - w for b, w in zip(B, W)] if Bi is None else _per_rank(Bi, pp, "Bi")
+    overhead = _per_rank(op_overhead, pp, "op_overhead")
 
     def duration(rank: int, op: Op) -> float:
         if op.kind in ("F", "W", "FB"):
             return {"F": F, "W": W, "FB": FB}[op.kind][rank]
-        return B[rank] - W[rank] if op.split else B[rank]
+        return Bi[rank] if op.split else B[rank]
 
-    timed, events = _timeline(kind, pp, ops, duration, latency)
+    if sync == "batches":
+        plans = [[item if rnd is None else (rnd, item) for rnd, item in plan]
+                 for plan in comm_plans(kind, pp, chunks)]
+    else:
+        plans = ops
+    timed, events = _timeline(kind, pp, plans, duration, latency, overhead)
     total = max((row[-1].end for row in timed if row), default=0.0)
     busy = [sum(t.end - t.start for t in row) for row in timed]
     peaks = []
@@ -449,10 +481,28 @@ def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, late
     return Simulation(kind, pp, chunks, timed, total, busy, [total - b for b in busy], peaks)
 
 
-def _timeline(kind: str, pp: int, ops: list[list[Op]], duration, latency: float):
-    """Start and end of every op, and per rank the (time, +1/-1) activation events."""
+def _batch_peers(rank: int, batch: Batch) -> dict[int, int]:
+    """peer -> the most messages `batch` carries one way between `rank` and that peer."""
+    sends: dict[int, int] = {}
+    recvs: dict[int, int] = {}
+    for m in batch.sends:
+        sends[m.dst] = sends.get(m.dst, 0) + 1
+    for m in batch.recvs:
+        recvs[m.src] = recvs.get(m.src, 0) + 1
+    return {p: max(sends.get(p, 0), recvs.get(p, 0)) for p in sends.keys() | recvs.keys()}
+
+
+def _timeline(kind: str, pp: int, plans: list[list], duration, latency: float, overhead=None):
+    """Start and end of every op, and per rank the (time, +1/-1) activation events.
+
+    plans[r]: rank r's ops in order, with (round, Batch) items between them for sync="batches"
+    (then the batches carry the latency); without batches an op waits for its own messages.
+    """
     where = stage_of(kind, pp)
     nbrs = _neighbours(kind, pp)
+    overhead = overhead or [0.0] * pp
+    batches = any(isinstance(item, tuple) for plan in plans for item in plan)
+    msg_latency = 0.0 if batches else latency
     f_end: dict[tuple[int, int, int], float] = {}  # (rank, module, chunk) -> end of its forward
     b_end: dict[tuple[int, int, int], float] = {}
 
@@ -474,23 +524,37 @@ def _timeline(kind: str, pp: int, ops: list[list[Op]], duration, latency: float)
         for table, key, remote in needs:
             if key not in table:
                 return None
-            t = max(t, table[key] + (latency if remote else 0.0))
+            t = max(t, table[key] + (msg_latency if remote else 0.0))
         return t
 
     timed: list[list[TimedOp]] = [[] for _ in range(pp)]
     events: list[list[tuple[float, int]]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
+    free = [0.0] * pp  # when the rank's last op or batch finished
+    next_op = [0.0] * pp  # earliest start of the rank's next op (its last op's end + overhead)
+    posted: dict[tuple[int, int], float] = {}  # (rank, round) -> when the rank posted that batch
     pos = [0] * pp
-    while any(pos[r] < len(ops[r]) for r in range(pp)):
+    while any(pos[r] < len(plans[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
-            while pos[r] < len(ops[r]):
-                op = ops[r][pos[r]]
+            while pos[r] < len(plans[r]):
+                item = plans[r][pos[r]]
+                if isinstance(item, tuple):  # (round, Batch): a rendezvous with its peers
+                    rnd, batch = item
+                    posted.setdefault((r, rnd), free[r])
+                    peers = _batch_peers(r, batch)
+                    if any((p, rnd) not in posted for p in peers):
+                        break
+                    free[r] = max(max(posted[(r, rnd)], posted[(p, rnd)]) + latency * n for p, n in peers.items())
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                op = item
                 t = ready(r, op)
                 if t is None:
                     break
-                start = max(free[r], t)
+                start = max(free[r], next_op[r], t)
                 end = free[r] = start + duration(r, op)
+                next_op[r] = end + overhead[r]
                 lane, stage = where[(r, op.module)]
                 b_lane, b_stage = where[(r, op.b_module)] if op.kind == "FB" else (lane, stage)
                 timed[r].append(TimedOp(op, lane, stage, b_lane, b_stage, start, end))
@@ -506,6 +570,6 @@ def _timeline(kind: str, pp: int, ops: list[list[Op]], duration, latency: float)
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(ops[r][pos[r]]) for r in range(pp) if pos[r] < len(ops[r])}
-            raise RuntimeError(f"{kind} with {pp} ranks deadlocks; next ops {stuck}")
+            stuck = {r: str(plans[r][pos[r]]) for r in range(pp) if pos[r] < len(plans[r])}
+            raise RuntimeError(f"{kind} with {pp} ranks deadlocks; next items {stuck}")
     return timed, events

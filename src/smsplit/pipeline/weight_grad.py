@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,9 @@ class WeightGradStore:
     under torch.no_grad() (closures called some other way should do the same).
     """
 
-    enabled: bool = False
-    cache: list[Callable[[], None]] = []
-    queue: deque[list[Callable[[], None]]] = deque()
+    enabled: ClassVar[bool] = False
+    cache: ClassVar[list[Callable[[], None]]] = []
+    queue: ClassVar[deque[list[Callable[[], None]]]] = deque()
 
     @classmethod
     def put(cls, fn: Callable[[], None]) -> None:
