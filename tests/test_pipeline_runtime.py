@@ -332,6 +332,10 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     finally:
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        try:  # leave together: a rank tearing gloo down while a peer still talks to it can abort the peer
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a scenario left the group unusable; its record says why
+            pass
         dist.destroy_process_group()
 
 
