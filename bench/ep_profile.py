@@ -65,6 +65,22 @@ def worker(rank, world, port, args):
             times.append(a.elapsed_time(b) * 1e3)
         return sorted(times)[len(times) // 2]
 
+    if args.host_profile:  # where the host time of a cached dispatch + combine goes
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(20):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue(), flush=True)
     tmp = torch.empty_like(x)
     alone = {"sm_copy_x_local": median_us(lambda: sm_copy(tmp, x, args.sms)),
              "dispatch": median_us(lambda: tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8,
@@ -105,6 +121,7 @@ def main():
     parser.add_argument("--sms", type=int, default=20)
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--out", default="/tmp/prof")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile 20 dispatch + combine calls")
     args = parser.parse_args()
     from smsplit.ep.testing import free_port
 
