@@ -14,6 +14,13 @@ Writes bench/results/sm_split.json and bench/figures/sm_split_*.png / *_trace.js
 ``--copy-method ldst tma`` measures both copy methods of ``sm_copy`` on the same budgets in one run
 (rows carry ``copy_method``); any method list other than the default ``ldst`` writes
 bench/results/sm_split_<methods>.json and figures named after the method instead.
+
+``--interleave K`` (K > 0) measures each cell (method, mode, comm SMs) in K short rounds instead, each
+round taking GEMM alone, copy alone and the concurrent pair back to back (the order reversed every
+other round), so that the "alone" baselines and the concurrent figures of one round share the clocks,
+power and temperature of that moment. Rows then also carry the per-round kept ratios, their median,
+min and max, and medians of the absolute figures; the result file and figures get ``_interleaved``
+appended to their names.
 """
 
 from __future__ import annotations
@@ -61,6 +68,105 @@ SWEEP = {"ldst": ("2048x8", "4096x16", "8192x16", "8192x32"),
 DEFAULT_SHAPE = {"ldst": "4096x16", "tma": "1024x4x8"}
 
 
+def spread(values) -> dict:
+    """Median, min and max of ``values``, ``None`` entries left out (all ``None`` when none is left)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int, copy_factor: float = 1.4):
+    """``rounds`` short rounds on ``budget``, each measuring the GEMM alone (compute stream), the
+    copy alone (comm stream) and one concurrent run of both (``concurrent_run``) back to back; odd
+    rounds run the three in reverse order, so a drift inside a round biases no side. A round's
+    concurrent run queues ``n_gemm`` GEMMs and enough copies to outlast them (``copy_factor`` times
+    the GEMMs' time alone, from that round's or, when the concurrent run comes first, the previous
+    round's alone figures). Returns one dict per round: the alone medians, the medians of the
+    concurrent samples, the sample counts, the kept ratios (alone / concurrent time; the copy's is
+    ``None`` when no copy ran entirely inside the GEMMs) and the concurrent run's windows."""
+    out, alone = [], {}
+    for r in range(rounds):
+        order = ["gemm_alone", "copy_alone", "concurrent"]
+        if r % 2:
+            order.reverse()
+        got = {"round": r, "order": order}
+        for step in order:
+            if step == "gemm_alone":
+                alone["gemm"] = time_ms(gemm, stream=budget.compute_stream, warmup=2, repeat=repeat)["median_ms"]
+                got["gemm_alone_ms"] = alone["gemm"]
+            elif step == "copy_alone":
+                alone["copy"] = time_ms(copy, stream=budget.comm_stream, warmup=2, repeat=repeat)["median_ms"]
+                got["copy_alone_ms"] = alone["copy"]
+            else:
+                n_copy = max(4, int(copy_factor * n_gemm * alone["gemm"] / alone["copy"]))
+                g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
+                got.update({"gemm_concurrent_ms": statistics.median(g) if g else None,
+                            "copy_concurrent_ms": statistics.median(c) if c else None,
+                            "gemm_concurrent_samples": len(g), "copy_concurrent_samples": len(c),
+                            "n_gemm": n_gemm, "n_copy": n_copy, "window": w})
+                got["_samples"] = (g, c)
+        got["gemm_kept"] = (got["gemm_alone_ms"] / got["gemm_concurrent_ms"]) if got["gemm_concurrent_ms"] else None
+        got["copy_kept"] = (got["copy_alone_ms"] / got["copy_concurrent_ms"]) if got["copy_concurrent_ms"] else None
+        out.append(got)
+    return out
+
+
+def interleaved_row(rounds: list[dict], n: int, nbytes: int) -> dict:
+    """The row fields of one cell measured by ``interleaved_rounds``: the existing fields (alone:
+    median of the rounds' alone medians; concurrent: median of every round's samples pooled; kept:
+    their ratio) and the per-round fields (``*_kept_rounds`` and their median/min/max, medians of the
+    rounds' absolute figures, and the rounds themselves)."""
+    gemm_conc = [t for r in rounds for t in r["_samples"][0]]
+    copy_conc = [t for r in rounds for t in r["_samples"][1]]
+    gemm_alone = statistics.median(r["gemm_alone_ms"] for r in rounds)
+    copy_alone = statistics.median(r["copy_alone_ms"] for r in rounds)
+    row = {
+        "gemm_alone_ms": gemm_alone,
+        "gemm_alone_tflops": gemm_tflops(gemm_alone, n),
+        "gemm_concurrent_ms": statistics.median(gemm_conc),
+        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
+        "gemm_concurrent_samples": len(gemm_conc),
+        "copy_alone_ms": copy_alone,
+        "copy_alone_gbps": copy_gbps(copy_alone, nbytes),
+        "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
+        "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
+        "copy_concurrent_samples": len(copy_conc),
+        "windows": [r["window"] for r in rounds],
+    }
+    row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
+    row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+    row["interleave_rounds"] = len(rounds)
+    for side in ("gemm", "copy"):
+        kept = [r[f"{side}_kept"] for r in rounds]
+        row[f"{side}_kept_rounds"] = kept
+        s = spread(kept)
+        row[f"{side}_kept_median"], row[f"{side}_kept_min"], row[f"{side}_kept_max"] = s["median"], s["min"], s["max"]
+    row["gemm_alone_tflops_median"] = spread([gemm_tflops(r["gemm_alone_ms"], n) for r in rounds])["median"]
+    row["gemm_concurrent_tflops_median"] = spread(
+        [gemm_tflops(r["gemm_concurrent_ms"], n) if r["gemm_concurrent_ms"] else None for r in rounds])["median"]
+    row["copy_alone_gbps_median"] = spread([copy_gbps(r["copy_alone_ms"], nbytes) for r in rounds])["median"]
+    row["copy_concurrent_gbps_median"] = spread(
+        [copy_gbps(r["copy_concurrent_ms"], nbytes) if r["copy_concurrent_ms"] else None for r in rounds])["median"]
+    row["rounds"] = [{k: v for k, v in r.items() if k != "_samples"} for r in rounds]
+    return row
+
+
+def interleaved_line(label: str, asked: int, granted: int, row: dict) -> str:
+    """One compact line of an interleaved cell: per side the median kept ratio over the rounds
+    [min-max] and the medians of the rounds' alone and concurrent figures."""
+    def f(x, spec):
+        return format(x, spec) if x is not None else "  n/a"
+    return (f"{label:13s} comm {asked:2d}->{granted:2d} | GEMM kept {f(row['gemm_kept_median'], '.3f')} "
+            f"[{f(row['gemm_kept_min'], '.3f')}-{f(row['gemm_kept_max'], '.3f')}] "
+            f"alone {f(row['gemm_alone_tflops_median'], '6.1f')} conc {f(row['gemm_concurrent_tflops_median'], '6.1f')} TFLOP/s"
+            f" | copy kept {f(row['copy_kept_median'], '.3f')} "
+            f"[{f(row['copy_kept_min'], '.3f')}-{f(row['copy_kept_max'], '.3f')}] "
+            f"alone {f(row['copy_alone_gbps_median'], '7.1f')} conc {f(row['copy_concurrent_gbps_median'], '7.1f')} GB/s"
+            f" | {row['interleave_rounds']} rounds, {row['copy_concurrent_samples']} copy samples"
+            + (f" | shared SMs {row['trace_shared_sm_count']}" if "trace" in row else ""))
+
+
 def traced_round(budget, a, b, src, dst, programs, copy_kw, title, png, chrome):
     warm = Trace(budget.device)  # compile the traced kernels before the timed launches
     with torch.cuda.stream(budget.comm_stream):
@@ -105,10 +211,21 @@ def main():
                         help="BLOCKxWARPS of the ldst copy for the split rows ('best': fastest of the sweep)")
     parser.add_argument("--tma-shape", default=DEFAULT_SHAPE["tma"],
                         help="BLOCKxWARPSxSTAGES of the tma copy for the split rows ('best': fastest of the sweep)")
+    parser.add_argument("--interleave", type=int, default=0, metavar="K",
+                        help="measure each cell in K rounds of GEMM alone, copy alone and concurrent back to back "
+                             "and report per-round kept ratios (median, min, max); 0: one alone measurement "
+                             "then three concurrent rounds (default). Writes <name>_interleaved.json")
+    parser.add_argument("--round-repeat", type=int, default=10,
+                        help="with --interleave: timed calls of each alone measurement per round")
+    parser.add_argument("--round-gemms", type=int, default=30,
+                        help="with --interleave: GEMMs queued in each round's concurrent run")
     args = parser.parse_args()
+    if args.interleave < 0 or args.round_repeat < 1 or args.round_gemms < 1:
+        parser.error("--interleave must be >= 0, --round-repeat and --round-gemms >= 1")
+    suffix = "_interleaved" if args.interleave else ""
     methods = list(dict.fromkeys(args.copy_method))
     requested_shape = {"ldst": args.copy_shape, "tma": args.tma_shape}
-    stem = "sm_split" if methods == ["ldst"] else "sm_split_" + "_".join(methods)
+    stem = ("sm_split" if methods == ["ldst"] else "sm_split_" + "_".join(methods)) + suffix
 
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
@@ -135,6 +252,12 @@ def main():
               "copy_methods": methods,
               "notes": "copy GB/s counts bytes read plus bytes written; GEMM on random bf16 inputs",
               "gemm_relative_error": err}
+    if args.interleave:
+        result.update({"interleave": args.interleave, "round_repeat": args.round_repeat, "round_gemms": args.round_gemms})
+        result["notes"] += ("; interleaved: each cell in `interleave` rounds of GEMM alone, copy alone, concurrent "
+                            "(reversed every other round); *_kept_median/min/max over the rounds' own ratios; "
+                            "*_alone_*: median of the rounds' alone medians, *_concurrent_*: median of all rounds' "
+                            "samples pooled, gemm_kept/copy_kept: their ratio")
     full = time_ms(gemm, warmup=5, repeat=20)
     result["gemm_full_gpu"] = {**full, "tflops": gemm_tflops(full["median_ms"], n)}
     print(f"GEMM full GPU: {full['median_ms']:.3f} ms, {gemm_tflops(full['median_ms'], n):.0f} TFLOP/s", flush=True)
@@ -176,37 +299,45 @@ def main():
                     kw = copy_kw[method]
                     programs = budget.comm_sms * (args.green_programs_per_sm if mode == "green" else 1)
                     copy = lambda: sm_copy(dst, src, programs, evict_first=evict_first, **kw)  # noqa: E731,B023
-                    copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
-                    gemm_alone = time_ms(gemm, stream=budget.compute_stream, warmup=3, repeat=15)
-                    n_gemm = 30
-                    n_copy = max(4, int(1.4 * n_gemm * gemm_alone["median_ms"] / copy_alone["median_ms"]))
-                    gemm_conc, copy_conc, windows = [], [], []
-                    for _ in range(3):  # three concurrent rounds; every kernel that overlapped counts
-                        g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
-                        gemm_conc += g
-                        copy_conc += c
-                        windows.append(w)
-                    windows = {"windows": windows}
-                    row = {
+                    head = {
                         "mode": mode, "copy_method": method, "evict_first": evict_first, "requested_comm_sms": comm_sms, "comm_sms": budget.comm_sms,
                         "compute_sms": budget.compute_sms, "copy_programs": programs,
-                        "gemm_alone_ms": gemm_alone["median_ms"],
-                        "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
-                        "gemm_concurrent_ms": statistics.median(gemm_conc),
-                        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
-                        "gemm_concurrent_samples": len(gemm_conc),
-                        "copy_alone_ms": copy_alone["median_ms"],
-                        "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
-                        "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
-                        "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
-                        "copy_concurrent_samples": len(copy_conc),
-                        **windows,
                     }
-                    row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
-                    row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+                    if args.interleave:
+                        rounds = interleaved_rounds(budget, gemm, copy, args.interleave, args.round_repeat, args.round_gemms)
+                        row = {**head, **interleaved_row(rounds, n, nbytes)}
+                    else:
+                        copy_alone = time_ms(copy, stream=budget.comm_stream, warmup=3, repeat=15)
+                        gemm_alone = time_ms(gemm, stream=budget.compute_stream, warmup=3, repeat=15)
+                        n_gemm = 30
+                        n_copy = max(4, int(1.4 * n_gemm * gemm_alone["median_ms"] / copy_alone["median_ms"]))
+                        gemm_conc, copy_conc, windows = [], [], []
+                        for _ in range(3):  # three concurrent rounds; every kernel that overlapped counts
+                            g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
+                            gemm_conc += g
+                            copy_conc += c
+                            windows.append(w)
+                        windows = {"windows": windows}
+                        row = {
+                            **head,
+                            "gemm_alone_ms": gemm_alone["median_ms"],
+                            "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
+                            "gemm_concurrent_ms": statistics.median(gemm_conc),
+                            "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
+                            "gemm_concurrent_samples": len(gemm_conc),
+                            "copy_alone_ms": copy_alone["median_ms"],
+                            "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
+                            "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
+                            "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
+                            "copy_concurrent_samples": len(copy_conc),
+                            **windows,
+                        }
+                        row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
+                        row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
                     if comm_sms == args.trace_at and not evict_first:
                         FIGURES.mkdir(parents=True, exist_ok=True)
                         fig = f"sm_split_{mode}_{comm_sms}" if method == "ldst" else f"sm_split_{method}_{mode}_{comm_sms}"
+                        fig += suffix
                         png = FIGURES / f"{fig}.png"
                         row["trace"] = traced_round(
                             budget, a, b, src, dst, programs, kw,
@@ -217,6 +348,9 @@ def main():
                         row["trace_shared_sm_count"] = len(row["trace"]["shared_sms"])
                     rows.append(row)
                     label = mode + ("+ef" if evict_first else "") + ("" if methods == ["ldst"] else f" {method}")
+                    if args.interleave:
+                        print(interleaved_line(label, comm_sms, budget.comm_sms, row), flush=True)
+                        continue
                     print(f"{label:{8 if methods == ['ldst'] else 13}s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
                           f"conc {row['gemm_concurrent_tflops']:6.1f} TFLOP/s ({row['gemm_kept']:.3f}) | copy alone "
                           f"{row['copy_alone_gbps']:7.1f} conc {row['copy_concurrent_gbps'] or float('nan'):7.1f} GB/s "

@@ -19,6 +19,8 @@ def sm_split(name="sm_split"):
           f"(median of {d['gemm_full_gpu']['n']}). Copy shape {d['copy_shape']['block']}x{d['copy_shape']['num_warps']} "
           f"(sweep, GB/s with 24 programs: "
           + ", ".join(f"{k} {v:.0f}" for k, v in d["copy_shape_sweep_gbps_24_programs"].items()) + ").\n")
+    if d.get("interleave"):
+        return sm_split_interleaved(d)
     print("| mode | comm SMs asked → granted | compute SMs | GEMM alone on budget (TFLOP/s) | GEMM concurrent | kept | "
           "copy alone (GB/s) | copy concurrent | kept | SMs shared (trace) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -28,6 +30,29 @@ def sm_split(name="sm_split"):
         print(f"| {mode} | {r['requested_comm_sms']} → {r['comm_sms']} | {r['compute_sms']} | "
               f"{r['gemm_alone_tflops']:.0f} | {r['gemm_concurrent_tflops']:.0f} | {r['gemm_kept']:.3f} | "
               f"{r['copy_alone_gbps']:.0f} | {r['copy_concurrent_gbps']:.0f} | {r['copy_kept']:.3f} | {shared} |")
+
+
+def sm_split_interleaved(d):
+    """Rows of a ``--interleave K`` run: medians over the K rounds of each round's own figures, and the
+    rounds' kept range."""
+    def num(x, spec):
+        return format(x, spec) if x is not None else "n/a"
+
+    def kept(r, side):
+        return (f"{num(r[f'{side}_kept_median'], '.3f')} ({num(r[f'{side}_kept_min'], '.3f')}–"
+                f"{num(r[f'{side}_kept_max'], '.3f')})")
+
+    print(f"Each cell: {d['interleave']} rounds of GEMM alone, copy alone and both concurrent, back to back; "
+          "figures are medians over the rounds, kept is the median of the rounds' own ratios (min–max).\n")
+    print("| mode | copy | comm SMs asked → granted | compute SMs | GEMM alone (TFLOP/s) | GEMM concurrent | kept | "
+          "copy alone (GB/s) | copy concurrent | kept | SMs shared (trace) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["rows"]:
+        shared = str(r.get("trace_shared_sm_count", "")) if "trace" in r else ""
+        mode = r["mode"] + (" + L2 evict-first" if r.get("evict_first") else "")
+        print(f"| {mode} | {r.get('copy_method', 'ldst')} | {r['requested_comm_sms']} → {r['comm_sms']} | {r['compute_sms']} | "
+              f"{num(r['gemm_alone_tflops_median'], '.0f')} | {num(r['gemm_concurrent_tflops_median'], '.0f')} | {kept(r, 'gemm')} | "
+              f"{num(r['copy_alone_gbps_median'], '.0f')} | {num(r['copy_concurrent_gbps_median'], '.0f')} | {kept(r, 'copy')} | {shared} |")
 
 
 def ep():
