@@ -125,6 +125,42 @@ def worker(rank, world, port, args, queue):
                   f"combine {row['combine_ms'] * 1e3:7.1f} us; host per call: dispatch {row['dispatch_bf16_host_us']:.0f} us, "
                   f"combine {row['combine_host_us']:.0f} us", flush=True)
 
+    # the nvlink transport replayed from CUDA graphs: the same GPU work with no host work per call (dispatch
+    # with its device-side count exchange: uncached)
+    def graph_of(fn):
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+
+    res["nvlink_graph_rows"] = []
+    for P in args.comm_sms:
+        transport.num_sms = P
+        graphs = {
+            "dispatch_bf16": graph_of(lambda: transport.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                                 num_worst_tokens=worst)),
+            "dispatch_fp8": graph_of(lambda: transport.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                                quantize=True, num_worst_tokens=worst)),
+            "combine": graph_of(lambda: transport.combine(y, None, layout)),
+        }
+        row = {"comm_sms": P}
+        for key, graph in graphs.items():
+            row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        res["nvlink_graph_rows"].append(row)
+        del graphs
+        if rank == 0:
+            print(f"nvlink in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+                  f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us",
+                  flush=True)
+
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
     send = x[order].contiguous()

@@ -259,3 +259,77 @@ def test_ranks_with_different_num_sms_all_refuse_the_buffer():
     # the NVLink kernels wait for as many programs from every peer as they run themselves
     mp.spawn(_buffer_refused_worker, args=(2, free_port(), _num_sms_by_rank, "num_sms", ["[20, 24]"]), nprocs=2,
              join=True)
+
+
+def _graph_worker(rank, world, port):
+    """NvlinkTransport with num_worst_tokens: dispatch, an "expert", and combine captured in one CUDA graph
+    (no host synchronization inside), replayed with new inputs every round, checked against the oracle."""
+    dev = _init_nccl(rank, world, port)
+    group = dist.group.WORLD
+    T, H, E, K = 192, 2048, 16, 4
+    num_local, worst = E // world, world * T
+    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K, timeout_s=20)
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    topk = torch.empty(T, K, dtype=torch.int64, device=dev)
+    w = torch.empty(T, K, dtype=torch.float32, device=dev)
+    in_rank = torch.empty(T, world, dtype=torch.bool, device=dev)
+
+    def fill(seed):
+        g = torch.Generator(device="cpu").manual_seed(seed * 10 + rank)
+        t = torch.randint(0, E, (T, K), generator=g)
+        t[torch.rand(T, K, generator=g) < 0.2] = -1
+        x.copy_(torch.randn(T, H, generator=g))
+        topk.copy_(t)
+        w.copy_(torch.rand(T, K, generator=g))
+        for r in range(world):
+            in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
+
+    def step():
+        rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst)
+        y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
+        out, out_w = transport.combine(y, rw, layout)
+        return rx, rk, rw, rsrc, layout, out, out_w
+
+    fill(0)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rx, rk, rw, rsrc, layout, out, out_w = step()
+    for round_ in range(1, 4):
+        fill(round_)
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        out.fill_(float("nan"))  # poison what the replay must overwrite
+        graph.replay()
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        inputs = [[torch.empty_like(t) for _ in range(world)] for t in (x, topk, w, in_rank)]
+        for gathered, t in zip(inputs, (x, topk, w, in_rank)):
+            dist.all_gather(gathered, t)
+        ex, ek, ew, esrc = expected_dispatch(*inputs, rank, num_local)
+        n = ex.size(0)
+        assert int(layout.num_recv_tokens.item()) == n
+        assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
+        assert torch.equal(rsrc[:n], esrc)
+        acc = torch.zeros(T, H, device=dev)
+        acc_w = torch.zeros(T, K, device=dev)
+        for d in range(world):
+            sel = in_rank[:, d]
+            acc[sel] += (x[sel].float() * (d + 1)).to(torch.bfloat16).float()
+            acc_w[sel] += w[sel] * (d + 1)
+        assert torch.equal(out, acc.to(torch.bfloat16)), f"round {round_}: combine differs after replay"
+        torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nvlink_dispatch_combine_replay_in_a_cuda_graph():
+    mp.spawn(_graph_worker, args=(2, free_port()), nprocs=2, join=True)
