@@ -71,6 +71,23 @@ def ep():
           f"({d['nccl_all_to_all_gbps_recv']:.0f} GB/s DeepEP convention); copy-engine peer copy of the "
           f"{d['copy_engine_bytes'] / 1e6:.1f} MB that cross NVLink {d['copy_engine_ms'] * 1e3:.0f} us "
           f"({d['copy_engine_gbps']:.0f} GB/s).\n")
+    if any("dispatch_bf16_host_us" in r for r in d["rows"]):
+        print("Host time of one call (Python and launches, no synchronization), median of 10:\n")
+        print("| transport | comm SMs | dispatch (us) | combine (us) |")
+        print("|---|---|---|---|")
+        for r in d["rows"]:
+            print(f"| {r.get('transport', 'nvlink')} | {r['comm_sms']} | {r['dispatch_bf16_host_us']:.0f} | "
+                  f"{r['combine_host_us']:.0f} |")
+        print()
+    if d.get("nvlink_graph_rows"):
+        print("nvlink replayed from CUDA graphs (no host work per call; dispatch includes the device-side count "
+              "exchange, i.e. uncached):\n")
+        print("| comm SMs | dispatch BF16 (us) | dispatch FP8 (us) | combine (us) |")
+        print("|---|---|---|---|")
+        for r in d["nvlink_graph_rows"]:
+            print(f"| {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | {r['dispatch_fp8_graph_ms'] * 1e3:.0f} | "
+                  f"{r['combine_graph_ms'] * 1e3:.0f} |")
+        print()
     print("| programs | SM copy write to peer (GB/s) | SM copy read from peer (GB/s) |")
     print("|---|---|---|")
     for r in d.get("sm_copy_over_nvlink", []):
