@@ -195,13 +195,14 @@ def _buffer_worker(rank, world, port, backend="nvlink"):
                           topk_idx=topk, topk_weights=w)
             bf16 = buf.dispatch(x, **common)
             q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
+            q32 = buf.dispatch(x.float() * 3.0, **common, fp8=True, dequantize=True)  # fp32 quantized in the kernel
             xg = x.clone().requires_grad_(True)
             recv, _, _, _, handle, _ = buf.dispatch(xg, **common)
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2])
             outs[name] = (bf16[0], bf16[1], bf16[2], bf16[3], q[0][0].view(torch.uint8), q[0][1], q[1],
-                          combined, combined_w, back, xg.grad)
+                          combined, combined_w, back, xg.grad, q32[0])
         for i, (a, b) in enumerate(zip(outs["nvlink"], outs["reference"])):
             if isinstance(a, list):
                 assert a == b, f"seed {seed}: output {i}: {a} != {b}"

@@ -340,7 +340,7 @@ class Buffer:
         values, scales = spec["values"], spec["scales"]
         fp8_on_wire = fp8 or scales is not None
         cached = handle is not None
-        use_nvlink = self._nvlink_moves(values, handle)
+        use_nvlink = self._nvlink_moves(values, handle, quantize=fp8 and scales is None)
         if fp8 and values is not None and scales is None and not use_nvlink:
             values, scales = fp8_lib.quantize_activations(values)
         if cached:
@@ -477,13 +477,15 @@ class Buffer:
 
     # -- the nvlink transport ----------------------------------------------------------------------------------
 
-    def _nvlink_moves(self, values, handle) -> bool:
-        """Whether this dispatch goes through the NVLink kernels (the same answer on every rank: it depends on
-        arguments the header exchange has made agree). They move bf16 and FP8 values; anything else, and cached
-        dispatches of layouts they did not make, take the reference transport."""
+    def _nvlink_moves(self, values, handle, quantize: bool) -> bool:
+        """Whether this dispatch goes through the device kernels (the same answer on every rank: it depends on
+        arguments the header exchange has made agree). They move bf16 and FP8 values, and quantize bf16, fp16
+        or fp32 values to FP8 inside the kernel (`quantize`); anything else, and cached dispatches of layouts
+        they did not make, take the reference transport."""
         if self.backend not in DEVICE_BACKENDS or values is None:
             return False
-        if values.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        movable = (torch.bfloat16, torch.float8_e4m3fn) + ((torch.float16, torch.float32) if quantize else ())
+        if values.dtype not in movable:
             return False
         return handle is None or getattr(handle, "nvlink_layout", None) is not None
 

@@ -91,9 +91,14 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     m0.to(device), m1.to(device)
     buffer = None
     if ep > 1:  # sized for the largest message: the backward's gradients with top-k weights
-        nbytes = Buffer.get_buffer_size_hint(batch // chunks * cfg.seq_len, cfg.dim, ep, cfg.topk,
-                                             x_dtype=torch.float32, fp8=False, combine_dtype=torch.float32)
-        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, timeout_s=opts["timeout_s"])
+        # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they do not
+        # move (fp32 gradients) take the reference transport inside the same Buffer
+        backend = "nvlink" if device.type == "cuda" else "reference"
+        tokens = batch // chunks * cfg.seq_len
+        nbytes = max(Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, x_dtype=torch.float32, fp8=False,
+                                                 combine_dtype=torch.float32),
+                     Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, backend=backend))
+        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=opts["timeout_s"])
     for stage in (m0, m1):
         stage.runner = runner
         for block in stage.blocks:
@@ -260,7 +265,7 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
     summary = dict(
         device=opts["device"], world=opts["world_size"], ep=ep, pp=pp, chunks=chunks, steps=len(losses),
         seed=opts["seed"], model=asdict(cfg), budget=repr(budget) if budget is not None else None,
-        first_losses=losses[:10], final_loss=losses[-1] if losses else None,
+        ep_backend="nvlink" if opts["device"] == "cuda" else "reference", first_losses=losses[:10], final_loss=losses[-1] if losses else None,
         loss_fell=bool(losses and min(losses[-5:]) < losses[0]),
         tokens_per_s=sum(rates[-tail:]) / tail if rates else 0.0,
         exposed_comm_fraction=sum(exposed[-tail:]) / tail if exposed else 0.0,
