@@ -131,6 +131,17 @@ except ImportError:  # CPU-only installs without Triton use the torch reference 
 
 if triton is not None:
     @triton.jit
+    def quantize_e4m3_groups(x, axis: tl.constexpr):
+        """FP8 e4m3 values and fp32 scales of fp32 ``x``, one scale per slice along ``axis``: amax floored at
+        1e-4, scale = amax / 448, IEEE divisions (Triton's `/` on fp32 is approximate), so that the result is
+        bit-identical to the torch reference `quantize_1x128`. The one home of this math for every kernel that
+        quantizes (this module's, and the EP dispatch kernels that quantize on the way out)."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-4)
+        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
+        q = (x * tl.expand_dims(tl.math.div_rn(fp8_max, amax), axis)).to(tl.float8e4nv)
+        return q, tl.math.div_rn(amax, fp8_max)
+
+    @triton.jit
     def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,
                               BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr):
         # Program (i, j) quantizes tile column j of rows [i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS).
@@ -141,11 +152,8 @@ if triton is not None:
         row_ok = rows < num_rows
         offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-        # IEEE divisions (Triton's `/` on fp32 is approximate): bit-identical to the torch reference
-        x_fp8 = (x * tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)[:, None]).to(tl.float8e4nv)
+        x_fp8, scale = quantize_e4m3_groups(x, 1)
         tl.store(x_fp8_ptr + offsets, x_fp8, mask=row_ok[:, None])
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         tl.store(scales_ptr + rows.to(tl.int64) * (hidden // TILE) + tile, scale, mask=row_ok)
 
 

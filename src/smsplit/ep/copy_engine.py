@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.fp8 import quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up
@@ -162,11 +163,7 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
                 c3 = tl.arange(0, 128)[None, None, :]
                 m3 = tmask[:, None, None] & (g3 < n_groups)
                 xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
-                # smsplit.fp8.quantize_1x128, bit for bit: amax floored at 1e-4, IEEE divisions
-                amax = tl.maximum(tl.max(tl.abs(xf), axis=2), 1e-4)
-                fp8_max = tl.full(amax.shape, 448.0, tl.float32)
-                q = (xf * tl.math.div_rn(fp8_max, amax)[:, :, None]).to(tl.float8e4nv)
-                scale = tl.math.div_rn(amax, fp8_max)  # [TB, GROUPS]
+                q, scale = quantize_e4m3_groups(xf, 2)  # smsplit.fp8.quantize_1x128, bit for bit; scale [TB, GROUPS]
             else:
                 w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
                 if HAS_SCALES:
