@@ -18,7 +18,7 @@ from smsplit.fp8 import quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up
-from .nvlink import ALIGN, SCALE_BLOCK, _pow2
+from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks
 from .transport import EPTimeoutError
 
 
@@ -76,26 +76,6 @@ class StreamOps:
 
 # --- kernels -----------------------------------------------------------------------------------------
 
-@triton.jit
-def _wait_each(own_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, fail_ptr, phase):
-    """Wait (thread 0, bounded) until ``own_ptr[first + s * stride] >= target`` for every rank s (but this
-    rank when ``skip_self``); on timeout record (phase, s, seen, target) in the status words (pinned host
-    memory: read by the host only, a read from every warp would cost a PCIe round trip each) and set the
-    device word ``fail_ptr``, which makes later waits return at once."""
-    failed = tl.load(fail_ptr, volatile=True)
-    for s in range(R):
-        if (failed == 0) & ((skip_self == 0) | (s != rank)):
-            seen = ptx.wait_geq_sys(own_ptr + first + s * stride, target, timeout_ns)
-            if seen < target:  # only thread 0 can see this
-                tl.store(status_ptr + 1, s)
-                tl.store(status_ptr + 2, seen)
-                tl.store(status_ptr + 3, target)
-                tl.store(status_ptr, phase)
-                tl.store(fail_ptr, 1)
-                failed = 1
-    tl.debug_barrier()
-
-
 @triton.jit(do_not_specialize=["epoch"])
 def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, fail_ptr, rank, R, NC, epoch, timeout_ns,
                 phase):
@@ -111,8 +91,8 @@ def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, fail_ptr
         arrive = (tl.load(bases_ptr + d) + arrive_off).to(tl.pointer_type(tl.int32))
         ptx.st_release_sys(arrive + rank, epoch)
     own_arrive = (own + arrive_off).to(tl.pointer_type(tl.int32))
-    _wait_each(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, fail_ptr, phase)
-    _wait_each(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, fail_ptr, phase + 1)
+    _wait_for_ranks(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, fail_ptr, phase)
+    _wait_for_ranks(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, fail_ptr, phase + 1)
     if tl.load(fail_ptr, volatile=True) != 0:
         force = (own + force_off).to(tl.pointer_type(tl.int32))
         for i in range(R * NC):
@@ -244,7 +224,7 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, fail
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
     for c in range(NC):
-        _wait_each(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, fail_ptr, 7)
+        _wait_for_ranks(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, fail_ptr, 7)
         t_end = tl.minimum(T, (c + 1) * chunk_tokens)
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
             t = t0 + tl.arange(0, TB)

@@ -55,15 +55,16 @@ FAIL_WORD = tl.constexpr(7)
 # --- device helpers --------------------------------------------------------------------------------
 
 @triton.jit
-def _wait_for_sources(sig_ptr, R, target, timeout_ns, status_ptr, fail_ptr, phase):
-    """Wait until ``sig_ptr[s] >= target`` for every source s < R, each wait bounded by
-    ``timeout_ns`` (thread 0 spins, the program waits at a barrier). On timeout thread 0 writes
-    (phase, source, seen, expected) to the status words (pinned host memory, for the host) and sets
-    the device word ``fail_ptr`` (which every later wait reads, cheaply, to skip)."""
+def _wait_for_ranks(flags_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, fail_ptr, phase):
+    """Wait until ``flags_ptr[first + s * stride] >= target`` for every rank s < R (but ``rank`` when
+    ``skip_self``), each wait bounded by ``timeout_ns`` (thread 0 spins, the program waits at a barrier).
+    On timeout thread 0 writes (phase, s, seen, expected) to the status words (pinned host memory, read
+    by the host only: a read from every warp would cost a PCIe round trip each) and sets the device word
+    ``fail_ptr``, which every later wait reads, cheaply, to return at once."""
     failed = tl.load(fail_ptr, volatile=True)
     for s in range(R):
-        if failed == 0:
-            seen = ptx.wait_geq_sys(sig_ptr + s, target, timeout_ns)
+        if (failed == 0) & ((skip_self == 0) | (s != rank)):
+            seen = ptx.wait_geq_sys(flags_ptr + first + s * stride, target, timeout_ns)
             if seen < target:  # only thread 0 can see this
                 tl.store(status_ptr + 1, s)
                 tl.store(status_ptr + 2, seen)
@@ -112,7 +113,7 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
     _signal_all(bases_ptr, sig_off + 0 * 64, rank, R)
     own_counts = (tl.load(bases_ptr + rank) + counts_off).to(tl.pointer_type(tl.int32))
     own_sig = (tl.load(bases_ptr + rank) + sig_off + 0 * 64).to(tl.pointer_type(tl.int32))
-    _wait_for_sources(own_sig, R, expected + 1, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 1)
+    _wait_for_ranks(own_sig, 0, 1, R, rank, 0, expected + 1, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 1)
     s = tl.arange(0, RP)[:, None]
     dd = tl.arange(0, RP)[None, :]
     matrix = tl.load(own_counts + s * R + dd, mask=(s < R) & (dd < R), other=0, volatile=True)
@@ -221,8 +222,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
     _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
-    _wait_for_sources((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
-                      timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+    _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
+                    timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
     if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
         total = tl.load(layout_ptr + 2 * R)
         for r0 in range(total + pid * TB, num_worst, programs * TB):
@@ -290,8 +291,8 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
             tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=rmask & kmask)
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
-    _wait_for_sources((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), R, expected + programs,
-                      timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
+    _wait_for_ranks((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
+                    timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
     for t0 in range(pid * TB, T, programs * TB):
