@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_result
+from common import call_times_ms, environment, write_result
 
 
 def worker(rank, world, port, args, queue):
@@ -32,7 +32,6 @@ def worker(rank, world, port, args, queue):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     import torch.distributed._symmetric_memory as symm_mem
-    from cuda.bindings import driver
 
     from smsplit.ep.copy_engine import StreamOps
 
@@ -72,21 +71,12 @@ def worker(rank, world, port, args, queue):
             e.record(s)
             main.wait_event(e)
 
-    def timed(fn, reps=args.reps):
+    def together():  # every rank starts each timed call from an idle GPU at the same time
+        torch.cuda.synchronize()
         dist.barrier(device_ids=[rank])
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            dist.barrier(device_ids=[rank])
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        t = torch.tensor([statistics.median(times)], device=dev)
+
+    def timed(fn, reps=args.reps):
+        t = torch.tensor([statistics.median(call_times_ms(fn, warmup=3, repeat=reps, before=together))], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
@@ -131,7 +121,6 @@ def worker(rank, world, port, args, queue):
         print(f"data ok on every rank: {oks}; peer flags {flags}; local memcpy {nbytes / local_ms / 1e6:.0f} GB/s",
               flush=True)
         queue.put(res)
-    del driver
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 

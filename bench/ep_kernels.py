@@ -6,25 +6,21 @@ several chunk counts and program counts, next to a plain SM copy of the same byt
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from smsplit.copy import sm_copy
 from smsplit.ep import copy_engine as ce
 from smsplit.ep.nvlink import _pow2
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_ms  # noqa: E402
+
 
 def median_us(fn, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return time_ms(fn, warmup=3, repeat=reps)["median_ms"] * 1e3
 
 
 def main():

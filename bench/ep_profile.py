@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import call_times_ms  # noqa: E402
 
 
 def worker(rank, world, port, args):
@@ -53,17 +58,11 @@ def worker(rank, world, port, args):
     from smsplit.copy import sm_copy
 
     def median_us(fn, reps=10):
-        times = []
-        for _ in range(reps):
-            dist.barrier(device_ids=[rank])
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(call_times_ms(fn, warmup=0, repeat=reps, before=together)) * 1e3
+
+    def together():  # every rank starts each timed call from an idle GPU at the same time
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
 
     if args.host_profile:  # where the host time of a cached dispatch + combine goes
         import cProfile
