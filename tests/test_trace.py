@@ -82,12 +82,13 @@ def test_traced_kernels_compile_for_sm90():
 
 
 @pytest.mark.gpu
-def test_copy_is_exact_and_every_program_records_itself():
+@pytest.mark.parametrize("method", ["ldst", "tma"])
+def test_copy_is_exact_and_every_program_records_itself(method):
     device = torch.device("cuda")
     src = torch.randint(-2**31, 2**31 - 1, (3 * 2**20 + 4,), dtype=torch.int32, device=device)
     dst = torch.full_like(src, 0x7FC00000)  # poison
     trace = Trace(device)
-    sm_copy(dst, src, num_programs=20, trace=trace, name="copy")
+    sm_copy(dst, src, num_programs=20, trace=trace, name="copy", method=method)
     torch.testing.assert_close(dst, src, rtol=0, atol=0)
     rows = trace.records()
     assert len(rows) == 20
