@@ -91,9 +91,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     m0.to(device), m1.to(device)
     buffer = None
     if ep > 1:  # sized for the largest message: the backward's gradients with top-k weights
-        # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they do not
-        # move (fp32 gradients) take the reference transport inside the same Buffer
-        backend = "nvlink" if device.type == "cuda" else "reference"
+        backend = opts["ep_backend"]
         tokens = batch // chunks * cfg.seq_len
         nbytes = max(Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, x_dtype=torch.float32, fp8=False,
                                                  combine_dtype=torch.float32),
@@ -265,7 +263,7 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
     summary = dict(
         device=opts["device"], world=opts["world_size"], ep=ep, pp=pp, chunks=chunks, steps=len(losses),
         seed=opts["seed"], model=asdict(cfg), budget=repr(budget) if budget is not None else None,
-        ep_backend="nvlink" if opts["device"] == "cuda" else "reference", first_losses=losses[:10], final_loss=losses[-1] if losses else None,
+        ep_backend=opts["ep_backend"], first_losses=losses[:10], final_loss=losses[-1] if losses else None,
         loss_fell=bool(losses and min(losses[-5:]) < losses[0]),
         tokens_per_s=sum(rates[-tail:]) / tail if rates else 0.0,
         exposed_comm_fraction=sum(exposed[-tail:]) / tail if exposed else 0.0,
@@ -319,7 +317,10 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         raise ValueError(f"batch={batch} must divide into chunks={chunks} micro-batches")
     opts = dict(out_dir=str(out_dir), steps=steps, device=device, world_size=world_size, pp=pp, chunks=chunks,
                 batch=batch, seed=seed, lr=lr, comm_sms=comm_sms, model=model or {}, progress=progress,
-                timeout_s=timeout_s)
+                timeout_s=timeout_s,
+                # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they
+                # do not move (fp32 gradients) take the reference transport inside the same Buffer
+                ep_backend="nvlink" if device == "cuda" else "reference")
     ModelConfig(**opts["model"])  # reject bad overrides before spawning
     if device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
