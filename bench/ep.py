@@ -2,7 +2,8 @@
 
 Per rank: 4096 tokens, hidden 7168, 256 experts, top-8 (uniform random routing). For each comm SM
 count: BF16 dispatch, FP8 dispatch (quantization fused, from BF16 input), combine (BF16), each with
-the SM-push NVLink transport (``smsplit.ep.nvlink``) using exactly that many persistent programs.
+the SM-push NVLink transport (``smsplit.ep.nvlink``) using exactly that many persistent programs, the
+same with a copy engine moving the BF16 rows (``bulk="copy_engine"``), and the copy-engine transport.
 Dispatch is timed with a cached layout (as DeepEP's benchmark does) and with the count exchange.
 In the same run: NCCL ``all_to_all_single`` moving the same token bytes (all SMs), and a plain
 copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling). Then dispatch+combine
@@ -59,6 +60,10 @@ def worker(rank, world, port, args, queue):
     transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
                                 max_topk=K, timeout_s=60)
     transports = {"nvlink": transport}
+    if "nvlink_copy_engine" in args.transports:
+        transports["nvlink_copy_engine"] = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
+                                                           max_tokens=T, hidden=H, max_topk=K, timeout_s=60,
+                                                           bulk="copy_engine", copy_share=args.copy_share)
     if "copy_engine" in args.transports:
         transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
                                                         max_tokens=T, hidden=H, max_topk=K,
@@ -94,6 +99,10 @@ def worker(rank, world, port, args, queue):
 
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
     layouts = {"nvlink": layout}
+    if "nvlink_copy_engine" in transports:
+        *_, layouts["nvlink_copy_engine"] = transports["nvlink_copy_engine"].dispatch(
+            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
+        res["nvlink_copy_engine_runs"] = [len(runs) for _, runs in layouts["nvlink_copy_engine"].copy_plan]
     if "copy_engine" in transports:
         layouts["copy_engine"] = transports["copy_engine"].layout(in_rank, worst)
     for name, P in [(n, P) for n in args.transports for P in args.comm_sms]:
@@ -139,27 +148,38 @@ def worker(rank, world, port, args, queue):
             fn()
         return graph
 
-    res["nvlink_graph_rows"] = []
-    for P in args.comm_sms:
-        transport.num_sms = P
+    # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
+    # planned on the host at the first call)
+    res["graph_rows"] = []
+    graph_cases = [(n, P, share) for n in args.transports if n.startswith("nvlink") for P in args.comm_sms
+                   for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])]
+    for name, P, share in graph_cases:
+        tr, lay = transports[name], layouts[name]
+        cached = lay if name == "nvlink_copy_engine" else None
+        tr.num_sms = P
+        if share is not None:
+            tr.copy_share = share
         graphs = {
-            "dispatch_bf16": graph_of(lambda: transport.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                                 num_worst_tokens=worst)),
-            "dispatch_fp8": graph_of(lambda: transport.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                                quantize=True, num_worst_tokens=worst)),
-            "combine": graph_of(lambda: transport.combine(y, None, layout)),
+            "dispatch_bf16": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                          num_worst_tokens=worst, cached=cached)),
+            "dispatch_fp8": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                         quantize=True, num_worst_tokens=worst, cached=cached)),
+            "combine": graph_of(lambda: tr.combine(y, None, lay)),
         }
-        row = {"comm_sms": P}
+        row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
         torch.cuda.synchronize()
-        transport.raise_if_failed()
-        res["nvlink_graph_rows"].append(row)
+        tr.raise_if_failed()
+        res["graph_rows"].append(row)
         del graphs
         if rank == 0:
-            print(f"nvlink in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+            print(f"{name}{'' if share is None else f' share {share}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us",
                   flush=True)
+
+    if "nvlink_copy_engine" in transports:
+        transports["nvlink_copy_engine"].copy_share = args.copy_share
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -235,6 +255,8 @@ def worker(rank, world, port, args, queue):
                       f"{gemm_alone:.3f} ms, with comm {entry['gemm_concurrent_ms']} ms; fp8 dispatch+combine alone "
                       f"{comm_alone * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms']} ms", flush=True)
     res["concurrent"] = conc
+    if "nvlink_copy_engine" in transports:  # whether the copies went in one cuMemcpyBatchAsync per call
+        res["nvlink_copy_engine_batched"] = transports["nvlink_copy_engine"].ops.batched
     if rank == 0:
         queue.put(res)
     dist.barrier(device_ids=[rank])
@@ -250,9 +272,13 @@ def main():
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
     parser.add_argument("--concurrent-sms", type=int, nargs="+", default=[20])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--transports", nargs="+", default=["nvlink", "copy_engine"],
-                        choices=["nvlink", "copy_engine"])
+    parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
+                        choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
+    parser.add_argument("--copy-share", type=float, default=0.7,
+                        help="nvlink_copy_engine: share of the rows the copy engines move (eager rows)")
+    parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
+                        help="nvlink_copy_engine: shares replayed from CUDA graphs")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     ctx = mp.get_context("spawn")

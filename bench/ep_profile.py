@@ -43,7 +43,8 @@ def worker(rank, world, port, args):
                                  num_chunks=args.chunks)
         lay = tr.layout(in_rank, worst)
     else:
-        tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K)
+        tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K,
+                             bulk="copy_engine" if args.transport == "nvlink_copy_engine" else "sm")
         *_, lay = tr.dispatch(x, None, topk, None, in_rank, num_local, num_worst_tokens=worst)
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
 
@@ -85,6 +86,12 @@ def worker(rank, world, port, args):
              "dispatch": median_us(lambda: tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8,
                                                        num_worst_tokens=worst, cached=lay)),
              "combine": median_us(lambda: tr.combine(y, None, lay))}
+    if hasattr(tr, "combine_tokens_per_step"):  # the combine with each tokens-per-step
+        default = tr.combine_tokens_per_step
+        for tb in (1, 2, 4):
+            tr.combine_tokens_per_step = tb
+            alone[f"combine_tb{tb}"] = median_us(lambda: tr.combine(y, None, lay))
+        tr.combine_tokens_per_step = default
     if rank == 0:
         print("alone (us):", {k: round(v, 1) for k, v in alone.items()}, flush=True)
     dist.barrier(device_ids=[rank])
@@ -115,7 +122,7 @@ def worker(rank, world, port, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--transport", default="copy_engine", choices=["copy_engine", "nvlink"])
+    parser.add_argument("--transport", default="copy_engine", choices=["copy_engine", "nvlink", "nvlink_copy_engine"])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--sms", type=int, default=20)
     parser.add_argument("--fp8", action="store_true")

@@ -79,14 +79,16 @@ def ep():
             print(f"| {r.get('transport', 'nvlink')} | {r['comm_sms']} | {r['dispatch_bf16_host_us']:.0f} | "
                   f"{r['combine_host_us']:.0f} |")
         print()
-    if d.get("nvlink_graph_rows"):
-        print("nvlink replayed from CUDA graphs (no host work per call; dispatch includes the device-side count "
-              "exchange, i.e. uncached):\n")
-        print("| comm SMs | dispatch BF16 (us) | dispatch FP8 (us) | combine (us) |")
-        print("|---|---|---|---|")
-        for r in d["nvlink_graph_rows"]:
-            print(f"| {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | {r['dispatch_fp8_graph_ms'] * 1e3:.0f} | "
-                  f"{r['combine_graph_ms'] * 1e3:.0f} |")
+    graph_rows = d.get("graph_rows") or [dict(r, transport="nvlink") for r in d.get("nvlink_graph_rows", [])]
+    if graph_rows:
+        print("Replayed from CUDA graphs (no host work per call). nvlink: uncached (the device-side count exchange "
+              "inside); nvlink_copy_engine: a cached layout (its copies are planned on the host at the first call):\n")
+        print("| transport | copy share | comm SMs | dispatch BF16 (us) | dispatch FP8 (us) | combine (us) |")
+        print("|---|---|---|---|---|---|")
+        for r in graph_rows:
+            share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
+            print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
+                  f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |")
         print()
     print("| programs | SM copy write to peer (GB/s) | SM copy read from peer (GB/s) |")
     print("|---|---|---|")

@@ -2,6 +2,7 @@
 match an independent computation from all ranks' inputs."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -19,29 +20,48 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
             "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "timeout_ns": "i64", "X_BYTES": "constexpr",
+            "sig_off": "i64", "off_copied": "i64", "sm_from": "i32", "timeout_ns": "i64", "X_BYTES": "constexpr",
             "QUANTIZE": "constexpr",
-            "HAS_SCALES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
+            "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
-    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "HAS_TOPK": True, "HAS_WEIGHTS": True,
-              "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4, "TRACE": False}
-    text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16)
+    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False,
+              "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
+              "TRACE": False}
+    aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
     quant = dict(base, x_ptr="*bf16")
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1),
-                                   num_warps=16)
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512),
+                                   num_warps=16, aligned=aligned)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
+    # the e4m3 rows go out in 16-byte stores, not one byte at a time
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
+    # copy engines move the rows to peers: the kernel also waits for the peers' copy-done flags
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
+                                   num_warps=16, aligned=aligned)
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > 1
     sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "src_ptr": "*i32", "layout_ptr": "*i32", "pos_ptr": "*i32",
-           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
+           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
+           "copied_end_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
            "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
-           "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "timeout_ns": "i64", "VEC": "constexpr",
-           "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "HAS_WEIGHTS": "constexpr",
+           "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "off_copied": "i64",
+           "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
+           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr",
            "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2,
-                                                              "HAS_WEIGHTS": True, "TRACE": False}, num_warps=16)
+    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    consts = {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2, "HAS_WEIGHTS": True,
+              "WAIT_COPIES": False, "TRACE": False}
+    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
+    assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
+    assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
+    # copy engines push some rows: one more bounded wait, for their copy-done flags
+    text_ce, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, dict(consts, WAIT_COPIES=True),
+                                      num_warps=16, aligned=aligned)
+    ptx.compile_for_sm90(nvlink.bump_kernel, {"counter_ptr": "*i32"}, num_warps=1)
+    assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
 # --- on GPUs --------------------------------------------------------------------------------------------
@@ -74,9 +94,9 @@ def _worker(rank, world, port, cases, kind="nvlink"):
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     H, E, max_tokens = 2048, 32, 512
-    if kind == "nvlink":
+    if kind in ("nvlink", "nvlink_copy_engine"):
         transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
-                                           timeout_s=20)
+                                           timeout_s=20, bulk="sm" if kind == "nvlink" else "copy_engine")
         poison_from = transport.offsets["x"]
     else:
         from smsplit.ep.copy_engine import CopyEngineTransport
@@ -109,6 +129,19 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             num_worst_tokens=worst)
         torch.cuda.synchronize()
         transport.raise_if_failed()
+        if kind == "nvlink_copy_engine" and not quantize:  # the copy engine moves runs of consecutive tokens
+            cols = in_ranks[rank].cpu()
+            starts = {d: [t for t in range(cols.size(0)) if cols[t, d] and (t == 0 or not cols[t - 1, d])]
+                      for d in range(world) if d != rank}
+            if max(len(v) for v in starts.values()) > nvlink.MAX_COPY_RUNS:
+                assert layout.copy_plan == []  # too many: the SMs moved them
+            else:
+                for d, runs in layout.copy_plan:
+                    assert [first for first, _, _ in runs] == starts[d]
+                    assert sum(n for _, n, _ in runs) == int(cols[:, d].sum())
+                copies, sm_from = layout.splits[("dispatch", transport.copy_share)]  # engines: tokens < sm_from
+                assert sm_from == -(-T_all[rank] * 7 // 10)
+                assert all(first + n <= sm_from for _, first, n, _ in copies)
         ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
         n = ex.size(0)
         assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
@@ -144,7 +177,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         x = torch.randn(layout.num_tokens, H, device=dev, dtype=torch.bfloat16)
         in_rank = torch.ones(layout.num_tokens, world, dtype=torch.bool, device=dev)
         try:  # the copy-engine transport's layout is a collective: reuse the last one
-            transport.dispatch(x, None, None, None, in_rank, num_local, cached=layout if kind != "nvlink" else None)
+            transport.dispatch(x, None, None, None, in_rank, num_local,
+                               cached=layout if kind == "copy_engine" else None)
             torch.cuda.synchronize()
             transport.raise_if_failed()
         except nvlink.EPTimeoutError as e:
@@ -166,8 +200,11 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
         ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
         ((333, 222), 4, True, 1024),   # FP8, padded
         ((512, 512), 9, False, 0),     # reuse after padding, full size
+        ((512, 480), 1, False, 0),     # top-1: bulk="copy_engine" finds > MAX_COPY_RUNS runs, the SMs move them
     ]
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
+    # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
+    mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
 def _buffer_worker(rank, world, port, backend="nvlink"):
@@ -262,31 +299,38 @@ def test_ranks_with_different_num_sms_all_refuse_the_buffer():
              join=True)
 
 
-def _graph_worker(rank, world, port):
+def _graph_worker(rank, world, port, bulk="sm"):
     """NvlinkTransport with num_worst_tokens: dispatch, an "expert", and combine captured in one CUDA graph
-    (no host synchronization inside), replayed with new inputs every round, checked against the oracle."""
+    (no host synchronization inside), replayed with new inputs every round, checked against the oracle.
+    With bulk="copy_engine" the routing stays that of the warm-up call (a cached layout: the copies are
+    planned on the host) and the tokens and weights change."""
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     T, H, E, K = 192, 2048, 16, 4
     num_local, worst = E // world, world * T
-    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K, timeout_s=20)
+    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K, timeout_s=20,
+                                       bulk=bulk, copy_share=1.0)  # (the other test takes the default share)
     x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     topk = torch.empty(T, K, dtype=torch.int64, device=dev)
     w = torch.empty(T, K, dtype=torch.float32, device=dev)
     in_rank = torch.empty(T, world, dtype=torch.bool, device=dev)
 
     def fill(seed):
-        g = torch.Generator(device="cpu").manual_seed(seed * 10 + rank)
-        t = torch.randint(0, E, (T, K), generator=g)
-        t[torch.rand(T, K, generator=g) < 0.2] = -1
+        route = torch.Generator(device="cpu").manual_seed((seed if bulk == "sm" else 0) * 10 + rank)
+        t = torch.randint(0, E, (T, K), generator=route)
+        t[torch.rand(T, K, generator=route) < 0.2] = -1
+        g = torch.Generator(device="cpu").manual_seed(seed * 10 + rank + 5)
         x.copy_(torch.randn(T, H, generator=g))
         topk.copy_(t)
         w.copy_(torch.rand(T, K, generator=g))
         for r in range(world):
             in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
 
+    cached = None
+
     def step():
-        rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst)
+        rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst,
+                                                         cached=cached)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
         out, out_w = transport.combine(y, rw, layout)
         return rx, rk, rw, rsrc, layout, out, out_w
@@ -295,7 +339,10 @@ def _graph_worker(rank, world, port):
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
+        *_, warm_layout, _, _ = step()
+    if bulk == "copy_engine":
+        cached = warm_layout
+        assert cached.copy_plan and cached.combine_plan  # the copy engines move the rows
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
@@ -332,5 +379,6 @@ def _graph_worker(rank, world, port):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_nvlink_dispatch_combine_replay_in_a_cuda_graph():
-    mp.spawn(_graph_worker, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
+def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk):
+    mp.spawn(_graph_worker, args=(2, free_port(), bulk), nprocs=2, join=True)

@@ -142,3 +142,40 @@ def test_triton_matches_reference_on_gpu(dtype, shape):
     ref_fp8, ref_scales = fp8.quantize_1x128(x)
     assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
     assert torch.equal(scales, ref_scales)
+
+
+_WORDS_SCRIPT = r"""
+import torch, triton, triton.language as tl
+from smsplit.fp8 import e4m3_v4_words
+
+@triton.jit
+def pack(q_ptr, out_ptr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None, None]
+    g = tl.arange(0, GROUPS)[None, :, None]
+    c = tl.arange(0, 128)[None, None, :]
+    w0, w1, w2, w3 = e4m3_v4_words(tl.load(q_ptr + (r * GROUPS + g) * 128 + c), ROWS, GROUPS)
+    at = out_ptr + tl.arange(0, ROWS)[:, None] * GROUPS * 32 + 4 * tl.arange(0, GROUPS * 8)[None, :]
+    tl.store(at, w0)
+    tl.store(at + 1, w1)
+    tl.store(at + 2, w2)
+    tl.store(at + 3, w3)
+
+torch.manual_seed(0)
+q = torch.randint(0, 256, (4, 4 * 128), dtype=torch.uint8)
+out = torch.full((4, 4 * 32), -1, dtype=torch.int32)
+pack[(1,)](q.view(torch.float8_e4m3fn), out, ROWS=4, GROUPS=4)
+print("EQUAL" if torch.equal(out, q.view(torch.int32)) else "DIFFERENT")
+"""
+
+
+def test_e4m3_v4_words_are_the_bytes_of_each_vector():
+    """Run the packing helper in Triton's interpreter (CPU) against torch's view of the same bytes as int32."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _WORDS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("EQUAL"), done.stdout

@@ -142,6 +142,22 @@ if triton is not None:
         return q, tl.math.div_rn(amax, fp8_max)
 
     @triton.jit
+    def e4m3_v4_words(q, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        """The bytes of e4m3 ``q`` (``[ROWS, GROUPS, 128]``) as the four int32 words of each 16-byte vector:
+        ``(w0, w1, w2, w3)``, each ``[ROWS, GROUPS * 8]``, vector ``v`` of a row holding bytes ``16 v .. 16 v + 15``
+        (little-endian words), ready for one 16-byte store per vector (``smsplit.ptx.st_global_na_v4``) where a
+        store of fp8 elements through a computed address would be one byte at a time."""
+        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (ROWS, GROUPS * 8, 2, 2, 2, 2))
+        even, odd = tl.split(b)  # byte 0/2 of each word, byte 1/3
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2, 2]: word 2 * hi + lo of each vector
+        lo0, lo1 = tl.split(words)
+        w0, w2 = tl.split(lo0)
+        w1, w3 = tl.split(lo1)
+        return w0, w1, w2, w3
+
+    @triton.jit
     def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,
                               BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr):
         # Program (i, j) quantizes tile column j of rows [i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS).

@@ -285,16 +285,19 @@ INSTRUCTIONS = {
 }
 
 
-def compile_for_sm90(fn, signature, constexprs=None, num_warps=4):
+def compile_for_sm90(fn, signature, constexprs=None, num_warps=4, aligned=()):
     """Compile a ``@triton.jit`` kernel for Hopper (sm_90) without a GPU.
 
     Returns ``(ptx, cubin)``. Used by the CPU tests to check that every kernel builds and holds the
-    instructions it was written for.
+    instructions it was written for. ``aligned``: arguments (pointers, integers) to compile as
+    multiples of 16, as Triton specializes them at launch when they are.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs or {})
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs or {}, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
     )

@@ -40,6 +40,8 @@ class StreamOps:
         self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self._fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._streams = {}  # torch stream handle -> CUstream (made once: these calls are on the host's hot path)
+        self._batch_attrs = None
+        self.batched = None  # whether cuMemcpyBatchAsync works here (None: not tried yet)
         self.device = torch.device(device)
 
     def _stream(self, stream: torch.cuda.Stream):
@@ -60,6 +62,33 @@ class StreamOps:
         if nbytes > 0:
             d = self._driver
             self._check(d.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream)), "cuMemcpyDtoDAsync")
+
+    def memcpy_batch(self, stream: torch.cuda.Stream, copies: list) -> None:
+        """The copies ``(dst, src, nbytes)`` in stream order, in one ``cuMemcpyBatchAsync`` where the driver
+        has it (one host call instead of one per copy; the copies of a batch may run in any order, so none
+        may depend on another), else one ``memcpy`` each."""
+        copies = [c for c in copies if c[2] > 0]
+        d = self._driver
+        if len(copies) > 1 and self.batched is not False:
+            try:
+                if self._batch_attrs is None:
+                    attrs = d.CUmemcpyAttributes()
+                    attrs.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                    self._batch_attrs = [attrs]
+                result = d.cuMemcpyBatchAsync([d.CUdeviceptr(c[0]) for c in copies], [d.CUdeviceptr(c[1]) for c in copies],
+                                              [c[2] for c in copies], len(copies), self._batch_attrs, [0], 1,
+                                              self._stream(stream))
+                err = result[0] if isinstance(result, tuple) else result
+                if err == d.CUresult.CUDA_SUCCESS:
+                    self.batched = True
+                    return
+                if self.batched:  # it worked before: a real failure
+                    self._check(result, "cuMemcpyBatchAsync")
+            except (AttributeError, TypeError):  # bindings without the call (CUDA < 12.8) or another signature
+                pass
+            self.batched = False  # not available here: copy one at a time from now on
+        for dst, src, nbytes in copies:
+            self.memcpy(stream, dst, src, nbytes)
 
     def wait_geq(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Later work on ``stream`` waits until the int32 at ``addr`` is >= ``value`` (cyclic compare)."""

@@ -29,27 +29,33 @@ saved a view raises instead of reading overwritten data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up
-from .transport import EPTimeoutError
+from .transport import EPError, EPTimeoutError
 
 SCALE_BLOCK = 128
 ALIGN = 256
 PHASES = ("notify", "dispatch", "combine")
+BULK_MOVERS = ("sm", "copy_engine")
+MAX_COPY_RUNS = 64  # bulk="copy_engine": more runs of consecutive tokens per peer than this, and the SMs move them
 # local state words (per rank, not shared): [phase] arrivals per source seen so far,
-# [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out
-STATE_WORDS = 8
+# [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out,
+# [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine)
+STATE_WORDS = 10
 FAIL_WORD = tl.constexpr(7)
+COPIES_WORD = tl.constexpr(8)
 
 
 # --- device helpers --------------------------------------------------------------------------------
@@ -86,13 +92,21 @@ def _signal_all(bases_ptr, sig_off, rank, R):
 
 
 @triton.jit
-def _finish(state_ptr, phase, expected, per_source, programs):
+def _finish(state_ptr, phase, expected, per_source, programs, copies_seen, copies_word):
     """The last program of a launch to finish advances the phase's expected arrivals per source
-    and resets the exit counter."""
+    (and, when ``copies_seen`` >= 0, stores it in word ``copies_word``) and resets the exit counter."""
     old = tl.atomic_add(state_ptr + 4 + phase, 1, sem="acq_rel", scope="gpu")
     if old == programs - 1:
         tl.store(state_ptr + 4 + phase, 0)
         tl.store(state_ptr + phase, expected + per_source)
+        if copies_seen >= 0:
+            tl.store(state_ptr + copies_word, copies_seen)
+
+
+@triton.jit
+def bump_kernel(counter_ptr):
+    """Add one to a device counter (one thread): the copy-done flag a copy stream then copies to peers."""
+    tl.store(counter_ptr, tl.load(counter_ptr) + 1)
 
 
 # --- notify ------------------------------------------------------------------------------------------
@@ -129,7 +143,7 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
         tl.store(status_ptr + 1, total)
         tl.store(status_ptr + 2, num_worst)
         tl.store(status_ptr, 4)
-    _finish(state_ptr, 0, expected, 1, 1)
+    _finish(state_ptr, 0, expected, 1, 1, -1, 0)
 
 
 # --- dispatch ----------------------------------------------------------------------------------------
@@ -146,17 +160,21 @@ def _pick(values, cols, d):
     return tl.sum(tl.where(cols == d, values, 0), axis=0)
 
 
-@triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
+@triton.jit(do_not_specialize=["sm_from", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
-                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, timeout_ns,
+                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, sm_from, timeout_ns,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
+                    WAIT_COPIES: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
-    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128."""
+    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
+    The kernel stores the rows of x of tokens ``t < sm_from`` for this rank only (copy engines move them
+    to peers; 0 with QUANTIZE). WAIT_COPIES: also wait until every peer's copy stream has raised its
+    copy-done flag here (``copied[peer]``) once more than seen so far."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
@@ -185,6 +203,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             m3 = tmask[:, None, None] & (g3 < n_groups)
             xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
             q, scale = quantize_e4m3_groups(xf, 2)  # smsplit.fp8.quantize_1x128, bit for bit; scale [TB, GROUPS]
+            q0, q1, q2, q3 = e4m3_v4_words(q, TB, GROUPS)  # 16-byte stores to computed addresses
         else:
             w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
             if HAS_SCALES:
@@ -199,14 +218,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             ok = (p >= 0)[:, None]
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
+            dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
             if QUANTIZE:
-                dst_q = (base + off_x + row[:, :, None] * H).to(tl.pointer_type(tl.float8e4nv))
-                tl.store(dst_q + g3 * 128 + c3, q, mask=ok[:, :, None] & (g3 < n_groups))
+                ptx.st_global_na_v4(dst + 4 * vec, q0, q1, q2, q3, ok & vmask)
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_s + grp, scale, mask=ok & gmask)
             else:
-                dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)
+                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & ((d == rank) | (t >= sm_from)[:, None]) & vmask)
                 if HAS_SCALES:
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                     tl.store(dst_s + grp, scale, mask=ok & gmask)
@@ -224,6 +242,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     own = tl.load(bases_ptr + rank)
     _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                     timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+    copies_seen = -1
+    if WAIT_COPIES:
+        copies_seen = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
+        _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
+                        timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
     if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
         total = tl.load(layout_ptr + 2 * R)
         for r0 in range(total + pid * TB, num_worst, programs * TB):
@@ -244,7 +267,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, tl.zeros((TB, KP), dtype=tl.float32), mask=ok & kmask)
             dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
-    _finish(state_ptr, 1, expected, programs, programs)
+    _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
@@ -252,14 +275,16 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 # --- combine -----------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
-def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr,
-                   out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
-                   off_cx, off_cw, sig_off, timeout_ns,
+def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr, own_buf,
+                   copied_end_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
+                   off_cx, off_cw, sig_off, off_copied, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                   TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                   TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WAIT_COPIES: tl.constexpr,
+                   TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Push each row received from another rank back to slot [rank][src[r]] of its source's
     combine area, then sum, for each of this rank's tokens, its rows from the ranks it went to (fp32;
-    its own rank's row straight from y) into out (bf16)."""
+    its own rank's row straight from y) into out (bf16). Rows ``r < copied_end[source]`` go back by copy
+    engines (the kernel pushes their weights); WAIT_COPIES: wait for the peers' copy-done flags first."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
@@ -282,10 +307,11 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
         rmask = ((r < total) & (source != rank))[:, None]
         j = tl.load(src_ptr + r64, mask=rmask, other=0).to(tl.int64)
         base = tl.load(bases_ptr + source, mask=r < total, other=0)[:, None]
-        w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, rmask & vmask)
         slot = rank * max_tokens + j
+        push = rmask & (r >= tl.load(copied_end_ptr + source, mask=r < total, other=0))[:, None]
+        w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, push & vmask)
         dst = (base + off_cx + slot * H * 2).to(tl.pointer_type(tl.int32))
-        ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, rmask & vmask)
+        ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, push & vmask)
         if HAS_WEIGHTS:
             w = tl.load(yw_ptr + r64 * K + k, mask=rmask & kmask)
             tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=rmask & kmask)
@@ -293,8 +319,17 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     own = tl.load(bases_ptr + rank)
     _wait_for_ranks((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                     timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
+    copies_seen = -1
+    if WAIT_COPIES:
+        copies_seen = tl.load(state_ptr + COPIES_WORD + 1, volatile=True) + 1
+        _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
+                        timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
+    # the combine area as typed pointers off this rank's buffer tensor (alignment known: loads vectorize)
+    cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
+    y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         tmask = t < T
@@ -302,42 +337,44 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
         pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
         acc = tl.zeros((TB, HB), dtype=tl.float32)
         acc_w = tl.zeros((TB, KP), dtype=tl.float32)
-        for d in range(R):
+        for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
             p = _column(pos, cols, d)
             ok = (p >= 0)[:, None]
             if d == rank:
                 row = self_start + p.to(tl.int64)[:, None]
-                y_rows = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + row * H
-                acc += tl.load(y_rows + h, mask=ok & hmask, other=0.0).to(tl.float32)
+                acc += tl.load(y_bf16 + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
                 if HAS_WEIGHTS:
                     acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
             else:
                 slot = d * max_tokens + t64
-                src = (own + off_cx + slot * H * 2).to(tl.pointer_type(tl.bfloat16))
-                acc += tl.load(src + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 if HAS_WEIGHTS:
-                    src_w = (own + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32))
-                    acc_w += tl.load(src_w + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+                    acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
         if HAS_WEIGHTS:
             tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
-    _finish(state_ptr, 2, expected, programs, programs)
+    _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
 
 # --- host side ---------------------------------------------------------------------------------------
 
+def _share_of(share: float, n: int) -> int:
+    """``ceil(share * n)``, not tripped up by binary fractions (0.7 * 300 is 210.00000000000003)."""
+    return min(n, math.ceil(round(share * n, 6)))
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
 def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
-    """Bytes of each region of the symmetric buffer: flags, the count matrix, the receive area (one row for
+    """Bytes of each region of the symmetric buffer: flags, the count matrix, the copy-engine flags, the receive area (one row for
     every token of every source, bf16-sized) with scales, top-k, weights and source index, and the combine
     area (one slot per source rank and token)."""
     rows = R * M
-    return {"signals": 3 * 64, "counts": R * R * 4,
+    return {"signals": 3 * 64, "counts": R * R * 4, "copied": 2 * R * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -354,12 +391,22 @@ class NvlinkLayout:
             start on each destination, where each source's tokens start here, rows received.
         num_tokens: tokens on this rank.
         num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
+        copy_plan: with ``bulk="copy_engine"``, made at the first dispatch that uses it (host copy of the
+            layout): ``[(peer, [(first token, tokens, first row on the peer), ...]), ...]``, or ``[]`` when
+            the runs are too many and the SMs move the rows.
+        combine_plan: the same for the combine, made at its first combine: ``[(source, [(first received
+            row, rows, first slot in the source's combine area), ...]), ...]`` or ``[]``.
+        splits: per (``"dispatch"`` or ``"combine"``, ``copy_share``), the copies the copy engines make
+            and where the SMs take over (see `NvlinkTransport`).
     """
 
     pos: torch.Tensor
     layout: torch.Tensor
     num_tokens: int
     num_recv_rows: int
+    copy_plan: list | None = None  # bulk="copy_engine": per peer, the runs of rows its copy engine moves
+    combine_plan: list | None = None  # the same for the combine: runs of received rows going back
+    splits: dict = field(default_factory=dict)
 
     @property
     def num_recv_tokens(self) -> torch.Tensor:
@@ -379,13 +426,31 @@ class NvlinkTransport:
         hidden: hidden size (a multiple of 128).
         max_topk: the largest top-k (up to 16).
         timeout_s: the longest a kernel waits for a peer before recording a timeout.
+        bulk: who moves the token rows, those of a dispatch that does not quantize and those a combine
+            sends back: ``"sm"`` (the kernels store them into peers' buffers) or ``"copy_engine"`` (copy
+            engines copy each run of consecutive tokens straight from ``x`` into a peer's receive area,
+            and each run of received rows from ``y`` back into its source's combine area; the kernels
+            move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
+            peers' copy-done flags). With ``"copy_engine"`` the first dispatch and the first combine of a
+            layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
+            be captured in a CUDA graph), and a layout with more than ``MAX_COPY_RUNS`` runs for some
+            peer is moved by the SMs.
+        copy_share: with ``bulk="copy_engine"``, the share of the rows that the copy engines move: the
+            rows of this rank's first ``ceil(copy_share * num_tokens)`` tokens in a dispatch and the first
+            ``ceil(copy_share * n)`` of the ``n`` rows received from each source in a combine; the SMs
+            push the rest at the same time (both paths then share NVLink; 1.0: copy engines only).
     """
 
     returns_views = True  # received tensors live in the symmetric buffer: Buffer copies them out
 
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
-                 max_topk: int = 16, timeout_s: float = 60.0):
+                 max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 0.7):
         import torch.distributed._symmetric_memory as symm_mem
+
+        if bulk not in BULK_MOVERS:
+            raise ValueError(f"bulk must be one of {BULK_MOVERS}, got {bulk!r}")
+        if not 0.0 <= copy_share <= 1.0:
+            raise ValueError(f"copy_share must be in [0, 1], got {copy_share}")
 
         if hidden % SCALE_BLOCK:
             raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
@@ -400,6 +465,7 @@ class NvlinkTransport:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
         self.num_sms = num_sms
         self.tokens_per_step = 4
+        self.combine_tokens_per_step = 2
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -416,6 +482,17 @@ class NvlinkTransport:
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.bulk, self.copy_share = bulk, copy_share
+        self._all_by_sms = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # copied_end: none
+        self._views = {}
+        if bulk == "copy_engine":
+            from .copy_engine import StreamOps  # (that module imports this one)
+
+            self.ops = StreamOps(self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+            # copy-done counters (dispatch, combine), bumped on the copy stream and copied into peers' flags
+            self.copies_done = torch.zeros(2, dtype=torch.int32, device=self.device)
+            self.base_addrs = list(self.handle.buffer_ptrs)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group, device_ids=[self.device.index])
 
@@ -444,11 +521,114 @@ class NvlinkTransport:
     # -- views into this rank's buffer ------------------------------------------------------------------
 
     def _view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        key = (name, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._make_view(name, dtype, shape)
+        return view
+
+    def _make_view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s
         start = self.offsets[name]
         return self.buffer[start: start + numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+    def _copy_plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
+        """``layout.copy_plan``, made on first use from the device layout (a host synchronization)."""
+        if layout.copy_plan is None:
+            send_start = layout.layout[: self.num_ranks].tolist()  # where this rank's rows start on each peer
+            self.raise_if_failed()  # (after that synchronization) a failed count exchange leaves no layout
+            in_rank = is_token_in_rank.cpu().numpy().astype(np.int8)
+            plan = []
+            for peer in range(self.num_ranks):
+                if peer == self.rank:
+                    continue
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], in_rank[:, peer], [0]))))
+                first, end = edges[0::2], edges[1::2]
+                if len(first) > MAX_COPY_RUNS:
+                    plan = []
+                    break
+                rows = send_start[peer] + np.concatenate(([0], np.cumsum(end - first)))[:-1]
+                if len(first) and not 0 <= rows[-1] + end[-1] - first[-1] <= self.num_ranks * self.max_tokens:
+                    raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {peer}'s receive area")
+                plan.append((peer, [(int(a), int(b - a), int(r)) for a, b, r in zip(first, end, rows)]))
+            layout.copy_plan = plan
+        return layout.copy_plan
+
+    def _combine_plan(self, layout: NvlinkLayout, recv_src: torch.Tensor) -> list:
+        """``layout.combine_plan``, made on first use (a host synchronization)."""
+        if layout.combine_plan is None:
+            R = self.num_ranks
+            starts = layout.layout[R: 2 * R + 1].tolist()  # where each source's rows start here, then the total
+            src = recv_src[: starts[R]].cpu().numpy().astype(np.int64)
+            plan = []
+            for source in range(R):
+                if source == self.rank:
+                    continue
+                j = src[starts[source]: starts[source + 1]]
+                breaks = np.flatnonzero(np.diff(j) != 1) + 1  # a run of consecutive source tokens
+                first = np.concatenate(([0], breaks)).astype(np.int64) if len(j) else np.zeros(0, np.int64)
+                if len(first) > MAX_COPY_RUNS:
+                    plan = []
+                    break
+                end = np.concatenate((breaks, [len(j)])) if len(j) else first
+                if len(j) and not (0 <= j.min() and j.max() < self.max_tokens):
+                    raise EPError(f"rank {self.rank}: received source indices outside 0..{self.max_tokens - 1}")
+                plan.append((source, [(int(starts[source] + a), int(b - a), int(j[a])) for a, b in zip(first, end)]))
+            layout.combine_plan = plan
+        return layout.combine_plan
+
+    def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor):
+        """``(copies [(peer, first token, tokens, first row)], sm_from)`` for ``copy_share``: the copy engines
+        move the runs of tokens before ``sm_from``, the SMs the rest (made once per layout and share)."""
+        key = ("dispatch", self.copy_share)
+        if key not in layout.splits:
+            plan = self._copy_plan(layout, is_token_in_rank)
+            sm_from = _share_of(self.copy_share, layout.num_tokens) if plan else 0
+            layout.splits[key] = ([(peer, first, min(n, sm_from - first), row)
+                                   for peer, runs in plan for first, n, row in runs if first < sm_from], sm_from)
+        return layout.splits[key]
+
+    def _combine_split(self, layout: NvlinkLayout, recv_src: torch.Tensor):
+        """``(copies [(source, first row, rows, first slot)], copied_end)`` for ``copy_share``: the copy engines
+        move received rows ``r < copied_end[source]`` (int32 device tensor), the SMs the rest."""
+        key = ("combine", self.copy_share)
+        if key not in layout.splits:
+            plan = self._combine_plan(layout, recv_src)
+            R = self.num_ranks
+            starts = layout.layout[R: 2 * R + 1].tolist()
+            ends, copies = [0] * R, []
+            for source, runs in plan:
+                ends[source] = starts[source] + _share_of(self.copy_share, starts[source + 1] - starts[source])
+                copies += [(source, row, min(n, ends[source] - row), slot) for row, n, slot in runs if row < ends[source]]
+            layout.splits[key] = (copies, torch.tensor(ends, dtype=torch.int32, device=self.device))
+        return layout.splits[key]
+
+    def _copy(self, copies: list, flag: int) -> torch.cuda.Event:
+        """Queue, on the copy stream after the work queued so far on the current stream (the copies' inputs):
+        the copies ``(dst, src, nbytes)``, then this rank's copy-done counter ``flag`` (0: dispatch, 1: combine),
+        bumped, into word ``flag * R + rank`` of every peer's copy flags (also with no copies: every peer
+        waits for it). Returns the event the current stream must wait for (after its kernel), so that the
+        sources stay unchanged until read. Capturable in a CUDA graph (plain copies then)."""
+        cs = self.copy_stream
+        cs.wait_stream(torch.cuda.current_stream(self.device))
+        counter = self.copies_done[flag:flag + 1]
+        with torch.cuda.stream(cs):
+            bump_kernel[(1,)](counter, num_warps=1)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            for dst, src, nbytes in copies:
+                self.ops.memcpy(cs, dst, src, nbytes)
+        else:
+            self.ops.memcpy_batch(cs, copies)
+        for peer in range(self.num_ranks):  # after the data: a copy on the same stream starts when they are done
+            if peer != self.rank:
+                self.ops.memcpy(cs, self.base_addrs[peer] + self.offsets["copied"] + 4 * (flag * self.num_ranks + self.rank),
+                                counter.data_ptr(), 4)
+        done = torch.cuda.Event()
+        done.record(cs)
+        return done
 
     # -- dispatch / combine ---------------------------------------------------------------------------
 
@@ -477,6 +657,11 @@ class NvlinkTransport:
                 raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
+        copies = self.bulk == "copy_engine" and not quantize
+        if copies and torch.cuda.is_current_stream_capturing() and (
+                cached is None or ("dispatch", self.copy_share) not in cached.splits):
+            raise ValueError("bulk='copy_engine': a dispatch captured in a CUDA graph needs a cached layout that an "
+                             "earlier dispatch has used (its copies are planned on the host)")
         torch.autograd.graph.increment_version(self.buffer)
         if cached is not None:
             if cached.num_tokens != T:
@@ -498,6 +683,13 @@ class NvlinkTransport:
         else:
             rows = int(layout[2 * R].item())
             self.raise_if_failed()
+        result = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
+        sm_from = 0
+        if copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
+            runs, sm_from = self._dispatch_split(result, is_token_in_rank)
+            row_bytes = H * x_bytes
+            copied = self._copy([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
+                                  x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0)
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
         if trace is not None:
@@ -509,19 +701,22 @@ class NvlinkTransport:
             topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state, self._status_addr(),
             T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
             self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
-            self.offsets["src"], self.offsets["signals"], self.timeout_ns,
-            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
+            self.offsets["src"], self.offsets["signals"], self.offsets["copied"], sm_from, self.timeout_ns,
+            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
+            HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
             KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
             trace_ptr=trace_view, trace_tag=tag, num_warps=16,
         )
+        if copies:
+            torch.cuda.current_stream(self.device).wait_event(copied)
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
         recv_scales = self._view("scales", torch.float32, (rows, n_groups)) if (quantize or scales is not None) else None
         recv_topk = self._view("topk", torch.int64, (rows, K)) if topk_idx is not None else None
         recv_weights = self._view("weights", torch.float32, (rows, K)) if topk_weights is not None else None
         recv_src = self._view("src", torch.int32, (rows,))
-        return recv_x, recv_scales, recv_topk, recv_weights, recv_src, NvlinkLayout(pos, layout, T, rows)
+        return recv_x, recv_scales, recv_topk, recv_weights, recv_src, result
 
     def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None,
                 recv_src: torch.Tensor | None = None):
@@ -541,6 +736,17 @@ class NvlinkTransport:
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
         if recv_src is None:
             recv_src = self._view("src", torch.int32, (layout.num_recv_rows,))
+        copies = self.bulk == "copy_engine"
+        if copies and torch.cuda.is_current_stream_capturing() and ("combine", self.copy_share) not in layout.splits:
+            raise ValueError("bulk='copy_engine': a combine captured in a CUDA graph needs a layout that an earlier "
+                             "combine has used (its copies are planned on the host)")
+        copied_end = self._all_by_sms
+        if copies:  # queued before the kernel, which pushes the rest and the weights and waits for the peers
+            runs, copied_end = self._combine_split(layout, recv_src)
+            row_bytes = H * 2
+            copied = self._copy([(self.base_addrs[source] + self.offsets["cx"]
+                                  + (self.rank * self.max_tokens + slot) * row_bytes,
+                                  y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in runs], 1)
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
@@ -548,10 +754,14 @@ class NvlinkTransport:
         combine_kernel[(self.num_sms,)](
             y.view(torch.uint8).view(torch.int32),
             y_weights if y_weights is not None else out, recv_src, layout.layout, layout.pos, self.bases,
-            self.state, self._status_addr(), out, out_w if out_w is not None else out, T, H, K, R, self.rank,
+            self.state, self._status_addr(), self.buffer, copied_end, out, out_w if out_w is not None else out, T, H, K, R,
+            self.rank,
             self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
-            self.timeout_ns, VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2,
-            HAS_WEIGHTS=y_weights is not None, TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag,
-            num_warps=16,
+            self.offsets["copied"] + 4 * R, self.timeout_ns,
+            VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=self.combine_tokens_per_step,
+            HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies,
+            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=16,
         )
+        if copies:
+            torch.cuda.current_stream(self.device).wait_event(copied)
         return out, out_w
