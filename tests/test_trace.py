@@ -131,4 +131,4 @@ def test_a_new_trace_tag_does_not_recompile_traced_kernels():
 
     for kernel, tag in ((persistent_copy_kernel, "tag"), (_probe_kernel, "tag"),
                         (dispatch_kernel, "trace_tag"), (combine_kernel, "trace_tag")):
-        assert [p.name for p in kernel.params if p.do_not_specialize] == [tag]
+        assert tag in [p.name for p in kernel.params if p.do_not_specialize]
