@@ -382,3 +382,79 @@ def _graph_worker(rank, world, port, bulk="sm"):
 @pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
 def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk):
     mp.spawn(_graph_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
+
+
+def _buffer_graph_worker(rank, world, port):
+    """Buffer(backend="nvlink") with num_worst_tokens: get_dispatch_layout, dispatch, an "expert" and combine
+    captured in one CUDA graph, replayed with new tokens and routing, equal to Buffer(backend="reference") run
+    eagerly on the same inputs; a reference buffer refuses to be captured, naming the backend."""
+    from smsplit.ep import Buffer, EPArgumentError
+
+    dev = _init_nccl(rank, world, port)
+    group = dist.group.WORLD
+    T, H, E, K = 128, 2048, 16, 4
+    worst = world * T
+    fast = Buffer(group, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend="nvlink"), num_sms=8,
+                  backend="nvlink", timeout_s=30)
+    ref = Buffer(group, backend="reference", timeout_s=30)
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    topk = torch.empty(T, K, dtype=torch.int64, device=dev)
+    w = torch.empty(T, K, dtype=torch.float32, device=dev)
+
+    def fill(seed):
+        g = torch.Generator(device="cpu").manual_seed(seed * 10 + rank)
+        t = torch.randint(0, E, (T, K), generator=g)
+        t[torch.rand(T, K, generator=g) < 0.2] = -1
+        topk.copy_(t)
+        x.copy_(torch.randn(T, H, generator=g))
+        w.copy_(torch.rand(T, K, generator=g))
+
+    def step(buf):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        recv_x, recv_k, recv_w, per_expert_list, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk, topk_weights=w, num_worst_tokens=worst)
+        y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
+        out, out_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+        return recv_x, recv_k, recv_w, per_expert_list, handle, out, out_w
+
+    fill(0)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the eager call first: it allocates the symmetric buffer and compiles
+        step(fast)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(fast)
+    for round_ in range(1, 4):
+        fill(round_)
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        captured[5].fill_(float("nan"))  # poison what the replay must overwrite
+        graph.replay()
+        fast.check_kernels()
+        expected = step(ref)
+        for i in (0, 1, 2, 5, 6):
+            assert torch.equal(captured[i], expected[i]), f"round {round_}: output {i} differs"
+        assert captured[3] == expected[3] == []
+        assert torch.equal(captured[4].rank_prefix_matrix, expected[4].rank_prefix_matrix)
+    other = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(other):
+            step(ref)
+    except EPArgumentError as e:
+        assert e.argument == "backend" and "reference" in str(e), str(e)
+    else:
+        raise AssertionError("a reference buffer was captured")
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_buffer_dispatch_and_combine_replay_in_a_cuda_graph():
+    mp.spawn(_buffer_graph_worker, args=(2, free_port()), nprocs=2, join=True)

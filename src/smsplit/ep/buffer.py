@@ -237,7 +237,7 @@ class Buffer:
         _check_int("num_experts", num_experts, 1)
         if num_experts % self.group_size:
             raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
-        self._check_topk_idx(topk_idx, None, num_experts)
+        self._check_topk_idx(topk_idx, None, num_experts, values=not self._capturing())
         self._wait_previous(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
             compute_dispatch_layout(topk_idx, num_experts, self.group_size)
@@ -323,6 +323,10 @@ class Buffer:
                   async_finish, fp8, dequantize, internal: bool = False):
         """`dispatch` without autograd. `internal` allows the cached mode to carry `topk_weights` (for backward)
         and `x=None`."""
+        if self._capturing():
+            return self._dispatch_captured(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                           num_worst_tokens, previous_event, async_finish, fp8, dequantize, internal)
         header = self._header(OP_DISPATCH)
         error = None
         try:
@@ -383,16 +387,8 @@ class Buffer:
             if recv_topk_idx is not None:
                 recv_topk_idx[handle.num_recv_tokens:] = -1
                 recv_topk_idx = to_local_expert_ids(recv_topk_idx, self.rank, num_local_experts)
-        if recv_topk_idx is not None and recv_topk_weights is not None:
-            recv_topk_weights = recv_topk_weights.masked_fill(recv_topk_idx < 0, 0.0)
-        if fp8_on_wire and dequantize:
-            out_dtype = spec["values"].dtype if spec["scales"] is None else torch.bfloat16
-            recv_x = fp8_lib.dequantize_1x128(recv_values, recv_scales, out_dtype)
-        elif fp8_on_wire:
-            recv_x = (recv_values, recv_scales)
-        else:
-            recv_x = recv_values
-
+        recv_x, recv_topk_weights = self._received(spec, recv_values, recv_scales, recv_topk_idx, recv_topk_weights,
+                                                   fp8_on_wire, dequantize)
         if cached:
             num_recv_tokens_per_expert_list = None
         elif num_worst_tokens > 0:
@@ -401,6 +397,77 @@ class Buffer:
             num_recv_tokens_per_expert_list = [align_up(int(c), expert_alignment) for c in recv_per_expert.tolist()]
         return (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
                 self._finish_event(async_finish))
+
+    @staticmethod
+    def _received(spec, recv_values, recv_scales, recv_topk_idx, recv_topk_weights, fp8_on_wire, dequantize):
+        """``recv_x`` in the form `dispatch` returns, and the weights zeroed where the top-k id is -1."""
+        if recv_topk_idx is not None and recv_topk_weights is not None:
+            recv_topk_weights = recv_topk_weights.masked_fill(recv_topk_idx < 0, 0.0)
+        if fp8_on_wire and dequantize:
+            out_dtype = spec["values"].dtype if spec["scales"] is None else torch.bfloat16
+            return fp8_lib.dequantize_1x128(recv_values, recv_scales, out_dtype), recv_topk_weights
+        if fp8_on_wire:
+            return (recv_values, recv_scales), recv_topk_weights
+        return recv_values, recv_topk_weights
+
+    # -- inside a CUDA graph capture -------------------------------------------------------------------------
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _dispatch_captured(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                           previous_event, async_finish, fp8, dequantize, internal):
+        """`_dispatch` while the current stream is captured into a CUDA graph: no host synchronization and no
+        host exchange, so the nvlink backend only, with `num_worst_tokens` (or a handle of such a dispatch), after
+        an eager dispatch of the same hidden size (it allocates the symmetric buffer). Shapes, dtypes and the
+        agreement of ranks are not exchanged: the eager call before the capture checks them; the values of the
+        layout tensors are not checked."""
+        if self.backend != "nvlink":
+            raise _reject("backend", f"only the nvlink backend runs inside a CUDA graph capture (no host "
+                                     f"synchronization); this buffer's is {self.backend!r}")
+        spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                    previous_event, fp8, dequantize, internal, check_values=False)
+        worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
+        if worst <= 0:
+            raise _reject("num_worst_tokens", "a dispatch captured in a CUDA graph needs num_worst_tokens > 0 (a "
+                                              "fixed number of received rows: no host synchronization)")
+        values, scales = spec["values"], spec["scales"]
+        quantize = fp8 and scales is None
+        if not self._nvlink_moves(values, handle, quantize):
+            raise _reject("x", "a captured dispatch moves bf16 or FP8 values (or quantizes floating-point ones with "
+                               "fp8=True) of a layout the nvlink kernels made")
+        if values.size(1) not in self._nvlink_transports:
+            raise _reject("x", f"make one dispatch of hidden size {values.size(1)} before capturing (it allocates "
+                               f"the symmetric buffer, which a capture cannot)")
+        self._wait_previous(previous_event)
+        cached = handle is not None
+        if not cached:
+            handle = DispatchHandle(
+                buffer_id=id(self), rank=self.rank, num_ranks=self.group_size, is_token_in_rank=is_token_in_rank,
+                rank_prefix_matrix=torch.empty(0, dtype=torch.int32, device=self.device),
+                recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
+                num_recv_tokens=-1, num_worst_tokens=worst, num_local_experts=spec["num_experts"] // self.group_size)
+        recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
+            handle, cached, values, scales, quantize, topk_idx, topk_weights, handle.num_local_experts)
+        if not cached:
+            handle.rank_prefix_matrix = handle.nvlink_transport.rank_prefix_matrix()
+        recv_x, recv_topk_weights = self._received(spec, recv_values, recv_scales, recv_topk_idx, recv_topk_weights,
+                                                   fp8 or scales is not None, dequantize)
+        return (recv_x, recv_topk_idx, recv_topk_weights, None if cached else [], handle,
+                self._finish_event(async_finish))
+
+    def check_kernels(self) -> None:
+        """
+        Raise `EPError` if a kernel of this rank recorded a timeout (a peer that never arrived) since the last
+        Buffer call; waits for the current stream. Every eager call does this itself; call it after replaying
+        CUDA graphs, where no host code of the buffer runs.
+        """
+        failure = self._check_nvlink_kernels()
+        if failure:
+            self._nvlink_failure = failure
+            raise EPError(f"rank {self.rank}: {failure}")
 
     # -- combine ---------------------------------------------------------------------------------------------
 
@@ -441,6 +508,13 @@ class Buffer:
 
     def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False):
         """`combine` without autograd; `internal` allows `x=None` (backward of weights only)."""
+        if self._capturing():  # no host exchange: the nvlink kernels only (see _dispatch_captured)
+            biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+            if not self._nvlink_combines(x, handle):
+                raise _reject("x", "a captured combine takes bf16 rows of a dispatch made by the nvlink kernels")
+            self._wait_previous(previous_event)
+            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
+            return combined_x, summed_weights, self._finish_event(async_finish)
         header = self._header(OP_COMBINE)
         error = None
         try:
@@ -457,23 +531,37 @@ class Buffer:
         self._agree(OP_COMBINE, headers, error)
         self._wait_previous(previous_event)
 
+        if self._nvlink_combines(x, handle):
+            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
+            return combined_x, summed_weights, self._finish_event(async_finish)
         rows = handle.num_recv_rows
-        nvlink = getattr(handle, "nvlink_transport", None)
-        if nvlink is not None and x is not None and x.dtype == torch.bfloat16 and x.size(1) == nvlink.hidden:
-            out, summed_weights = nvlink.combine(
-                x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
-                handle.nvlink_layout, recv_src=handle.recv_src_idx)
-            summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
-        else:
-            summed_x, summed_weights = self.transport.combine(
-                "combine", handle, [x[:rows] if x is not None else None,
-                                    topk_weights[:rows] if topk_weights is not None else None])
+        summed_x, summed_weights = self.transport.combine(
+            "combine", handle, [x[:rows] if x is not None else None,
+                                topk_weights[:rows] if topk_weights is not None else None])
         combined_x = None
         if summed_x is not None:
             for b in biases:
                 summed_x += b.float()
             combined_x = summed_x.to(x.dtype)
         return combined_x, summed_weights, self._finish_event(async_finish)
+
+    @staticmethod
+    def _nvlink_combines(x, handle) -> bool:
+        """Whether the nvlink kernels combine these rows: bf16 rows of a dispatch they made."""
+        nvlink = getattr(handle, "nvlink_transport", None)
+        return nvlink is not None and x is not None and x.dtype == torch.bfloat16 and x.size(1) == nvlink.hidden
+
+    def _combine_nvlink(self, x, handle, topk_weights, biases):
+        rows = handle.num_recv_rows
+        out, summed_weights = handle.nvlink_transport.combine(
+            x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
+            handle.nvlink_layout, recv_src=handle.recv_src_idx)
+        if not biases:
+            return out, summed_weights
+        summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
+        for b in biases:
+            summed_x += b.float()
+        return summed_x.to(x.dtype), summed_weights
 
     # -- the nvlink transport ----------------------------------------------------------------------------------
 
@@ -518,7 +606,8 @@ class Buffer:
             num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
-            handle.recv_src_idx = recv_src[:handle.num_recv_tokens].clone()
+            received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
+            handle.recv_src_idx = received.clone()
         if not transport.returns_views:
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
@@ -526,11 +615,12 @@ class Buffer:
 
     # -- validation ------------------------------------------------------------------------------------------
 
-    def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int) -> None:
+    def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, values: bool = True) -> None:
+        """``values``: also check the ids (reads them on the host: not while capturing a CUDA graph)."""
         _check_tensor("topk_idx", topk_idx, self.device, (torch.int64,), (num_tokens, None))
         if topk_idx.size(1) < 1:
             raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
-        if topk_idx.numel():
+        if values and topk_idx.numel():
             low, high = int(topk_idx.min()), int(topk_idx.max())
             if low < -1 or high >= num_experts:
                 raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
@@ -538,8 +628,9 @@ class Buffer:
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                        previous_event, fp8, dequantize, internal) -> dict:
-        """Raise EPArgumentError for the first invalid argument; return what the header and payload need."""
+                        previous_event, fp8, dequantize, internal, check_values: bool = True) -> dict:
+        """Raise EPArgumentError for the first invalid argument; return what the header and payload need.
+        ``check_values``: also check the values of the layout tensors (host reads: not while capturing a CUDA graph)."""
         num_ranks = self.group_size
         if isinstance(x, tuple):
             if len(x) != 2:
@@ -595,10 +686,10 @@ class Buffer:
             _check_tensor("is_token_in_rank", is_token_in_rank, self.device, (torch.bool,), (num_tokens, num_ranks))
             _check_tensor("num_tokens_per_rank", num_tokens_per_rank, self.device, (torch.int32, torch.int64),
                           (num_ranks,))
-            if not torch.equal(num_tokens_per_rank.long(), is_token_in_rank.sum(0)):
+            if check_values and not torch.equal(num_tokens_per_rank.long(), is_token_in_rank.sum(0)):
                 raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
             if topk_idx is not None:
-                self._check_topk_idx(topk_idx, num_tokens, num_experts)
+                self._check_topk_idx(topk_idx, num_tokens, num_experts, check_values)
                 if topk_weights is not None:
                     _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,),
                                   (num_tokens, topk_idx.size(1)))

@@ -534,6 +534,11 @@ class NvlinkTransport:
         start = self.offsets[name]
         return self.buffer[start: start + numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        """DeepEP's ``rank_prefix_matrix`` of the last dispatch with a count exchange (in stream order after it):
+        ``[R, R]`` int32, entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``; a new tensor."""
+        return self._view("counts", torch.int32, (self.num_ranks, self.num_ranks)).cumsum(0, dtype=torch.int32)
+
     def _copy_plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
         """``layout.copy_plan``, made on first use from the device layout (a host synchronization)."""
         if layout.copy_plan is None:
