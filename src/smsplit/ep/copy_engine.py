@@ -18,7 +18,7 @@ from smsplit.fp8 import quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up
-from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks
+from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks, sum_returned_rows
 from .transport import EPTimeoutError
 
 
@@ -244,40 +244,16 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, fail
         t_start = ptx.globaltimer()
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    cols = tl.arange(0, RP)
     cready = (own_buf + off_cready).to(tl.pointer_type(tl.int32), bitcast=True)
     cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
     cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
-    h = tl.arange(0, HB)[None, :]
-    hmask = h < H
-    k = tl.arange(0, KP)[None, :]
-    kmask = k < K
     for c in range(NC):
         _wait_for_ranks(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, fail_ptr, 7)
         t_end = tl.minimum(T, (c + 1) * chunk_tokens)
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
             t = t0 + tl.arange(0, TB)
-            tmask = t < t_end
-            t64 = t.to(tl.int64)[:, None]
-            pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
-            acc = tl.zeros((TB, HB), dtype=tl.float32)
-            acc_w = tl.zeros((TB, KP), dtype=tl.float32)
-            for d in range(R):
-                p = tl.sum(tl.where(cols[None, :] == d, pos, 0), axis=1).to(tl.int64)[:, None]
-                ok = p >= 0
-                if d == rank:
-                    row = self_start + p
-                    acc += tl.load(y_ptr + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
-                    if HAS_WEIGHTS:
-                        acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
-                else:
-                    slot = d * M + p
-                    acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    if HAS_WEIGHTS:
-                        acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
-            if HAS_WEIGHTS:
-                tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
+            sum_returned_rows(t, t < t_end, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx, cw, M, out_ptr, out_w_ptr,
+                              H, K, HB, KP, RP, TB, HAS_WEIGHTS, True)  # slot [destination][position]
     tl.debug_barrier()
     old = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
     if old == programs - 1:

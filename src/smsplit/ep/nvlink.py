@@ -160,6 +160,44 @@ def _pick(values, cols, d):
     return tl.sum(tl.where(cols == d, values, 0), axis=0)
 
 
+@triton.jit
+def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, slots, out_ptr, out_w_ptr, H, K,
+                      HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
+                      HAS_WEIGHTS: tl.constexpr, SLOT_BY_POS: tl.constexpr):
+    """The sum of a combine, shared by both transports: for each token of ``t`` (``[TB]``, ``tmask``), add in
+    fp32 the rows that came back from the ranks it went to (``pos[t, d] >= 0``), its own rank's from row
+    ``self_start + pos[t, rank]`` of ``y``, rank d's from slot ``d * slots + (pos[t, d] if SLOT_BY_POS else t)``
+    of the combine area ``cx`` (weights: ``yw``, ``cw``), and store it in bf16 (weights fp32) into ``out``."""
+    cols = tl.arange(0, RP)
+    h = tl.arange(0, HB)[None, :]
+    hmask = h < H
+    k = tl.arange(0, KP)[None, :]
+    kmask = k < K
+    t64 = t.to(tl.int64)[:, None]
+    pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+    acc = tl.zeros((TB, HB), dtype=tl.float32)
+    acc_w = tl.zeros((TB, KP), dtype=tl.float32)
+    for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
+        p = _column(pos, cols, d).to(tl.int64)[:, None]
+        ok = p >= 0
+        if d == rank:
+            row = self_start + p
+            acc += tl.load(y_bf16 + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
+        else:
+            if SLOT_BY_POS:
+                slot = d * slots + p
+            else:
+                slot = d * slots + t64
+            acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if HAS_WEIGHTS:
+                acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
+    if HAS_WEIGHTS:
+        tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
+
+
 @triton.jit(do_not_specialize=["sm_from", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
@@ -324,35 +362,14 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
         copies_seen = tl.load(state_ptr + COPIES_WORD + 1, volatile=True) + 1
         _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
                         timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
-    h = tl.arange(0, HB)[None, :]
-    hmask = h < H
     # the combine area as typed pointers off this rank's buffer tensor (alignment known: loads vectorize)
     cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
     cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
     y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
-        tmask = t < T
-        t64 = t.to(tl.int64)[:, None]
-        pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
-        acc = tl.zeros((TB, HB), dtype=tl.float32)
-        acc_w = tl.zeros((TB, KP), dtype=tl.float32)
-        for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
-            p = _column(pos, cols, d)
-            ok = (p >= 0)[:, None]
-            if d == rank:
-                row = self_start + p.to(tl.int64)[:, None]
-                acc += tl.load(y_bf16 + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
-                if HAS_WEIGHTS:
-                    acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
-            else:
-                slot = d * max_tokens + t64
-                acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                if HAS_WEIGHTS:
-                    acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
-        if HAS_WEIGHTS:
-            tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
+        sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
+                          H, K, HB, KP, RP, TB, HAS_WEIGHTS, False)  # slot [source][token]
     _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
