@@ -99,6 +99,18 @@ def call_times_ms(fn, warmup: int = 3, repeat: int = 10, inner: int = 1, before=
     return times
 
 
+def run_ranks(worker, world: int, args):
+    """Run ``worker(rank, world, port, args, queue)`` in ``world`` spawned processes (rank r on GPU r) and return
+    what rank 0 put on the queue. Raises if a worker fails."""
+    import torch.multiprocessing as mp
+
+    from smsplit.ep.testing import free_port
+
+    queue = mp.get_context("spawn").Queue()
+    mp.spawn(worker, args=(world, free_port(), args, queue), nprocs=world, join=True)
+    return queue.get(timeout=10)
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import call_times_ms, environment, write_result
+from common import call_times_ms, environment, run_ranks, write_result
 
 
 def worker(rank, world, port, args, queue):
@@ -131,18 +130,7 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     world = 2
-    from smsplit.ep.testing import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    res = {"env": environment(), "world": world, **res}
+    res = {"env": environment(), "world": world, **run_ranks(worker, world, args)}
     write_result("copy_engine", res)
 
 

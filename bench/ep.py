@@ -24,12 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import concurrent_run, environment, time_ms, write_result  # noqa: E402
-
-from smsplit.ep.testing import free_port  # noqa: E402
+from common import concurrent_run, environment, run_ranks, time_ms, write_result  # noqa: E402
 
 
 def _max_over_ranks(value: float, dev) -> float:
@@ -281,10 +278,7 @@ def main():
                         help="nvlink_copy_engine: shares replayed from CUDA graphs")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.spawn(worker, args=(args.world, free_port(), args, queue), nprocs=args.world, join=True)
-    res = queue.get(timeout=10)
+    res = run_ranks(worker, args.world, args)
     H = args.hidden
     for row in res["rows"]:
         recv_bf16 = res["recv_bytes_bf16_deepep"]

@@ -19,12 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, time_ms, write_result  # noqa: E402
-
-from smsplit.ep.testing import free_port  # noqa: E402
+from common import environment, run_ranks, time_ms, write_result  # noqa: E402
 
 CONFIGS = {  # name -> sm_copy keyword arguments
     "ldst_b2048_w8": dict(method="ldst", block=2048, num_warps=8),
@@ -147,10 +144,7 @@ def main():
     parser.add_argument("--only-pieces", action="store_true", help="skip the SM copies")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.spawn(worker, args=(args.world, free_port(), args, queue), nprocs=args.world, join=True)
-    res = queue.get(timeout=10)
+    res = run_ranks(worker, args.world, args)
     path = write_result("nvlink_link", {"env": environment(), "args": vars(args), **res,
                                         "notes": "every rank copies at once; time = max over ranks of medians"})
     print(f"wrote {path}")

@@ -49,18 +49,9 @@ def test_copy_engine_kernels_compile_with_their_ptx():
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_copy_engine_dispatch_combine_match_reference_on_two_gpus():
-    from test_ep_nvlink import _worker
+    from test_ep_nvlink import DISPATCH_CASES, _worker
 
-    cases = [
-        ((300, 200), 8, False, 0),     # random top-8 with drops
-        ((256, 100), 6, False, 0),     # every token to rank 0
-        ((0, 300), 9, False, 0),       # rank 0 sends nothing
-        ((400, 512), 8, True, 0),      # FP8 fused quantization
-        ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
-        ((333, 222), 4, True, 1024),   # FP8, padded
-        ((512, 512), 9, False, 0),     # reuse after padding, full size
-        ((5, 2), 3, False, 0),         # fewer tokens than chunks
-    ]
+    cases = DISPATCH_CASES + [((5, 2), 3, False, 0)]  # and fewer tokens than chunks
     mp.spawn(_worker, args=(2, free_port(), cases, "copy_engine"), nprocs=2, join=True)
 
 

@@ -189,19 +189,23 @@ def _worker(rank, world, port, cases, kind="nvlink"):
     dist.destroy_process_group()
 
 
+# Rounds of `_worker`: (tokens on each rank, top-k, quantize to FP8, num_worst_tokens); each transport's test adds its own.
+DISPATCH_CASES = [
+    ((300, 200), 8, False, 0),     # random top-8 with drops
+    ((256, 100), 6, False, 0),     # every token to rank 0
+    ((0, 300), 9, False, 0),       # rank 0 sends nothing
+    ((400, 512), 8, True, 0),      # FP8 fused quantization
+    ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
+    ((333, 222), 4, True, 1024),   # FP8, padded
+    ((512, 512), 9, False, 0),     # reuse after padding, full size
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
-    cases = [
-        ((300, 200), 8, False, 0),     # random top-8 with drops
-        ((256, 100), 6, False, 0),     # every token to rank 0
-        ((0, 300), 9, False, 0),       # rank 0 sends nothing
-        ((400, 512), 8, True, 0),      # FP8 fused quantization
-        ((128, 64), 1, False, 1024),   # top-1, padded to num_worst_tokens
-        ((333, 222), 4, True, 1024),   # FP8, padded
-        ((512, 512), 9, False, 0),     # reuse after padding, full size
-        ((512, 480), 1, False, 0),     # top-1: bulk="copy_engine" finds > MAX_COPY_RUNS runs, the SMs move them
-    ]
+    # top-1 over 512 tokens: bulk="copy_engine" finds > MAX_COPY_RUNS runs, the SMs move them
+    cases = DISPATCH_CASES + [((512, 480), 1, False, 0)]
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
