@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from smsplit.ep import EventOverlap, compute_dispatch_layout
-from smsplit.ep.layout import to_local_expert_ids
+from smsplit.ep.layout import to_local_expert_ids, token_positions
 
 
 @pytest.mark.parametrize("num_ranks,num_experts,num_topk", [(2, 8, 1), (4, 16, 4), (4, 36, 9), (8, 256, 8)])
@@ -43,3 +43,17 @@ def test_event_overlap_is_a_no_op_without_cuda():
     event.current_stream_wait()
     with event as entered:
         assert entered is event
+
+
+@pytest.mark.parametrize("num_tokens,num_ranks", [(1, 2), (37, 2), (50, 4), (129, 8), (0, 3)])
+def test_token_positions_count_the_earlier_tokens_to_each_rank(num_tokens, num_ranks):
+    g = torch.Generator().manual_seed(num_tokens + num_ranks)
+    in_rank = torch.rand(num_tokens, num_ranks, generator=g) < 0.6
+    if num_tokens > 3:
+        in_rank[:, 1] = False  # a rank that gets nothing
+        in_rank[2] = True      # a token that goes everywhere
+    pos = token_positions(in_rank)
+    want = [[sum(bool(in_rank[u, r]) for u in range(t)) if in_rank[t, r] else -1 for r in range(num_ranks)]
+            for t in range(num_tokens)]
+    assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (num_tokens, num_ranks)
+    assert pos.tolist() == want

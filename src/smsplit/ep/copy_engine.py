@@ -17,7 +17,7 @@ from smsplit import ptx
 from smsplit.fp8 import quantize_e4m3_groups
 from smsplit.trace import record_block
 
-from .layout import align_up
+from .layout import align_up, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks, sum_returned_rows
 from .transport import EPTimeoutError
 
@@ -401,7 +401,7 @@ class CopyEngineTransport:
         T = is_token_in_rank.size(0)
         chunk = max(1, -(-T // NC))
         in_rank = is_token_in_rank.to(torch.int32)
-        pos = torch.where(is_token_in_rank, torch.cumsum(in_rank, 0, dtype=torch.int32) - 1, -1).contiguous()
+        pos = token_positions(is_token_in_rank)
         chunk_of = torch.arange(T, device=self.device) // chunk
         per_chunk = torch.zeros(NC, R, dtype=torch.int64, device=self.device).index_add_(0, chunk_of, in_rank.long())
         gathered = torch.empty(R, NC, R, dtype=torch.int64, device=self.device)

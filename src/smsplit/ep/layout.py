@@ -42,6 +42,29 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
+def token_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """
+    Where each token lands among the tokens this rank sends to each rank.
+
+    Arguments:
+        is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
+
+    Returns:
+        `[num_tokens, num_ranks]` contiguous `torch.int32`: entry `[t, r]` counts the tokens before `t` that go
+        to rank `r` if `t` goes there, else -1.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    if num_tokens == 0:
+        return torch.empty(0, num_ranks, dtype=torch.int32, device=is_token_in_rank.device)
+    # One scan over the ranks' rows laid end to end, then each row's start taken off: torch scans a 1-D tensor
+    # with one parallel (CUB) scan, while its scan down each column of [num_tokens, num_ranks] is a serial loop.
+    flat = is_token_in_rank.t().contiguous().view(-1)
+    running = torch.cumsum(flat, 0, dtype=torch.int32).view(num_ranks, num_tokens)
+    before_row = torch.cat([running.new_zeros(1), running[:-1, -1]])
+    positions = (running - before_row[:, None] - 1).t()
+    return torch.where(is_token_in_rank, positions, -1).contiguous()
+
+
 def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
     """Global expert ids -> ids local to `rank` (`0 .. num_local_experts - 1`), -1 for experts on other ranks."""
     local = topk_idx - rank * num_local_experts

@@ -42,7 +42,7 @@ from smsplit import ptx
 from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_groups
 from smsplit.trace import record_block
 
-from .layout import align_up
+from .layout import align_up, token_positions
 from .transport import EPError, EPTimeoutError
 
 SCALE_BLOCK = 128
@@ -691,8 +691,7 @@ class NvlinkTransport:
             pos, layout = cached.pos, cached.layout
             num_worst_tokens = cached.num_recv_rows if num_worst_tokens else 0
         else:
-            pos = torch.cumsum(is_token_in_rank, 0, dtype=torch.int32) - 1
-            pos = torch.where(is_token_in_rank, pos, -1).contiguous()
+            pos = token_positions(is_token_in_rank)
             counts = is_token_in_rank.sum(0, dtype=torch.int32)
             layout = torch.empty(2 * R + 2, dtype=torch.int32, device=self.device)
             notify_kernel[(1,)](counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
