@@ -154,60 +154,47 @@ def ld_acquire_sys(ptr):
     )
 
 
+def _in_thread0(instruction: str) -> tl.constexpr:
+    """Inline PTX that runs ``instruction`` (operands: ``$0`` result, ``$1`` address, ``$2`` value) in thread 0
+    of the program only; every other thread returns 0."""
+    return tl.constexpr("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
+                        f"@p {instruction} }}")
+
+
+_ST_RELEASE_GPU = _in_thread0("st.release.gpu.global.b32 [$1], $2;")
+_ST_RELEASE_SYS = _in_thread0("st.release.sys.global.b32 [$1], $2;")
+_ATOM_ADD_RELEASE_GPU = _in_thread0("atom.release.gpu.global.add.s32 $0, [$1], $2;")
+_ATOM_ADD_RELEASE_SYS = _in_thread0("atom.release.sys.global.add.s32 $0, [$1], $2;")
+
+
+@triton.jit
+def _thread0(asm: tl.constexpr, ptr, value):
+    return tl.inline_asm_elementwise(asm, "=r,l,r", [ptr, tl.cast(value, tl.int32)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
 @triton.jit
 def st_release_gpu(ptr, value):
-    """``st.release.gpu.global.b32``: int32 store ordered after all earlier accesses (GPU scope)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
-        "@p st.release.gpu.global.b32 [$1], $2; }",
-        "=r,l,r",
-        [ptr, tl.cast(value, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    """``st.release.gpu.global.b32`` by thread 0: int32 store ordered after all earlier accesses (GPU scope)."""
+    return _thread0(_ST_RELEASE_GPU, ptr, value)
 
 
 @triton.jit
 def st_release_sys(ptr, value):
-    """``st.release.sys.global.b32``: release store visible to peers over NVLink."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
-        "@p st.release.sys.global.b32 [$1], $2; }",
-        "=r,l,r",
-        [ptr, tl.cast(value, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    """``st.release.sys.global.b32`` by thread 0: release store visible to peers over NVLink."""
+    return _thread0(_ST_RELEASE_SYS, ptr, value)
 
 
 @triton.jit
 def atom_add_release_gpu(ptr, value):
     """``atom.release.gpu.global.add.s32`` by thread 0; returns the old value there, 0 elsewhere."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
-        "@p atom.release.gpu.global.add.s32 $0, [$1], $2; }",
-        "=r,l,r",
-        [ptr, tl.cast(value, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    return _thread0(_ATOM_ADD_RELEASE_GPU, ptr, value)
 
 
 @triton.jit
 def atom_add_release_sys(ptr, value):
     """``atom.release.sys.global.add.s32`` by thread 0; returns the old value there, 0 elsewhere."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0;\n\t"
-        "@p atom.release.sys.global.add.s32 $0, [$1], $2; }",
-        "=r,l,r",
-        [ptr, tl.cast(value, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    return _thread0(_ATOM_ADD_RELEASE_SYS, ptr, value)
 
 
 @triton.jit
