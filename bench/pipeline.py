@@ -1,11 +1,13 @@
-"""Pipeline schedules on 2 GPUs: smsplit DualPipeV vs torch.distributed.pipelining.
+"""Pipeline schedules on 2 (or --ranks) GPUs: smsplit DualPipeV vs torch.distributed.pipelining.
 
-    python bench/pipeline.py            # 2 GPUs, NCCL (spawns its own 2 processes)
-    python bench/pipeline.py --smoke    # tiny, CPU, gloo, 2 processes: checks the script end to end
+    python bench/pipeline.py                     # 2 GPUs, NCCL (spawns its own 2 processes)
+    python bench/pipeline.py --ranks 4           # 4 GPUs
+    python bench/pipeline.py --smoke [--ranks 4] # tiny, CPU, gloo: checks the script end to end
 
-Model: a stack of transformer blocks (RMSNorm, causal attention, GELU MLP; bf16), split in 4
+Model: a stack of transformer blocks (RMSNorm, causal attention, GELU MLP; bf16), split in 2 x ranks
 stages of --blocks-per-stage blocks. smsplit DualPipeV and torch's ScheduleDualPipeV put stages
-(r, 3-r) on rank r; torch's Schedule1F1B and ScheduleGPipe put two consecutive stages on each rank.
+(r, 2 x ranks - 1 - r) on rank r; torch's Schedule1F1B and ScheduleGPipe put two consecutive stages on
+each rank.
 Every schedule runs the same micro-batches (--chunks of --micro-batch x --seq tokens).
 
 Measured: step time (median of --steps after --warmup, the slower rank's), peak memory; for
@@ -16,7 +18,7 @@ its op overhead (mean gap between ops with no p2p batch between them) and the ti
 message (ping-pong), with sync="inputs" and sync="batches" (NCCL's batched p2p: a rendezvous), with
 and without the overhead; the main prediction is sync="batches" with the overhead.
 Writes bench/results/pipeline.json and bench/figures/pipeline_{measured,simulated}.png
-(--smoke: *_smoke.* instead). --reanalyse FILE redoes the analysis from a results file's raw times.
+(other rank counts: pipeline_<N>ranks*; --smoke: *_smoke.* instead). --reanalyse FILE redoes the analysis from a results file's raw times.
 """
 
 from __future__ import annotations
@@ -55,8 +57,13 @@ from smsplit.pipeline import (  # noqa: E402
 )
 from smsplit.pipeline.schedule import TimedOp, _batch_peers, stage_of  # noqa: E402
 
-RANKS = 2
+RANKS = 2  # set from --ranks in main() and in every worker
 STAGES = 2 * RANKS
+
+
+def set_ranks(ranks: int) -> None:
+    global RANKS, STAGES
+    RANKS, STAGES = ranks, 2 * ranks
 
 
 class Block(nn.Module):
@@ -385,15 +392,15 @@ def print_summary(timeline: dict) -> None:
 
 
 def p2p_message_ms(args, rank, device, dtype, cuda) -> float:
-    """Time of one activation message (micro-batch x seq x hidden) between the two ranks:
-    ping-pong with the same batched p2p calls the schedule uses, half the round trip."""
+    """Time of one activation message (micro-batch x seq x hidden) between neighbour ranks (0-1, 2-3, ...,
+    all pairs at once): ping-pong with the same batched p2p calls the schedule uses, half the round trip."""
     t = torch.randn(args.micro_batch, args.seq, args.hidden, device=device).to(dtype)
     r = torch.empty_like(t)
-    peer = 1 - rank
+    peer = rank ^ 1
 
     def ping_pong():
         for turn in (0, 1):
-            op = dist.P2POp(dist.isend, t, peer) if turn == rank else dist.P2POp(dist.irecv, r, peer)
+            op = dist.P2POp(dist.isend, t, peer) if turn == rank % 2 else dist.P2POp(dist.irecv, r, peer)
             for work in dist.batch_isend_irecv([op]):
                 work.wait()
 
@@ -402,6 +409,7 @@ def p2p_message_ms(args, rank, device, dtype, cuda) -> float:
 
 
 def worker(rank: int, args, port: int, queue) -> None:
+    set_ranks(args.ranks)
     cuda = not args.smoke
     if cuda:
         torch.cuda.set_device(rank)
@@ -430,12 +438,14 @@ def worker(rank: int, args, port: int, queue) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo")
+    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (even)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--blocks-per-stage", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
-    p.add_argument("--chunks", type=int, default=8, help="micro-batches per step (>= 4)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="micro-batches per step (default max(8, 2 x ranks); DualPipeV needs >= 2 x ranks)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--reanalyse", metavar="JSON", help="no run: redo the bubble analysis of a results file "
@@ -445,14 +455,22 @@ def main() -> None:
         import json
 
         saved = json.loads(Path(args.reanalyse).read_text())
+        set_ranks(len(saved["dualpipev_timeline"]["raw"]))
         print_summary(analyse(saved["config"]["chunks"], saved["dualpipev_timeline"]["raw"]))
         return
+    if args.ranks < 2 or args.ranks % 2:
+        p.error(f"--ranks must be an even number >= 2, got {args.ranks}")
+    set_ranks(args.ranks)
+    if args.chunks is None:
+        args.chunks = max(8, 2 * RANKS)
+    elif args.chunks < 2 * RANKS:
+        p.error(f"--chunks must be >= 2 x ranks = {2 * RANKS} (DualPipeV), got {args.chunks}")
     if args.smoke:
         args.hidden, args.heads, args.blocks_per_stage, args.seq = 64, 4, 1, 16
-        args.micro_batch, args.chunks, args.warmup, args.steps = 2, 4, 1, 2
+        args.micro_batch, args.chunks, args.warmup, args.steps = 2, 2 * RANKS, 1, 2
     elif torch.cuda.device_count() < RANKS:
         sys.exit(f"needs {RANKS} GPUs, found {torch.cuda.device_count()}; try --smoke")
-    suffix = "_smoke" if args.smoke else ""
+    suffix = ("" if RANKS == 2 else f"_{RANKS}ranks") + ("_smoke" if args.smoke else "")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -493,7 +511,7 @@ def main() -> None:
     tokens = args.chunks * args.micro_batch * args.seq
     payload = {
         **environment(),
-        "benchmark": "pipeline schedules, 2 ranks",
+        "benchmark": f"pipeline schedules, {RANKS} ranks",
         "smoke": args.smoke,
         "config": {**vars(args), "stages": STAGES, "tokens_per_step": tokens,
                    "dtype": "float32" if args.smoke else "bfloat16",
@@ -502,7 +520,8 @@ def main() -> None:
             "step time = the slower rank's median over steps; each step starts after a barrier",
             ("smsplit.DualPipeV uses smsplit.pipeline.Linear (W deferred in zero-bubble steps); "
              "the modules define no overlapped_forward_backward, so an F&B runs F then B"),
-            "torch 1F1B/GPipe: 2 stages (each = 2 of our stages) on 2 ranks; DualPipeV: 4 stages, V-shaped",
+            (f"torch 1F1B/GPipe: {RANKS} stages (each = 2 of our stages) on {RANKS} ranks; DualPipeV: {STAGES} "
+             "stages, V-shaped"),
             ("dualpipev_timeline: one more step with CUDA events (and host times) at the start and end of "
              "every op. Measured bubble per rank = the schedule's span (rank 0's first op start to the last "
              "op end on any rank) - the rank's summed op times. Predicted = simulate('dualpipev') fed each "
