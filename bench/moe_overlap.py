@@ -11,8 +11,9 @@ Times are CUDA-event medians; ``exposed`` is the share of the step in which comm
 did (from per-piece events). The best split is picked with `smsplit.autotune.autotune_split`.
 
 Run on 2x H200:  PYTHONPATH=src python3 bench/moe_overlap.py
-CPU smoke run:   PYTHONPATH=src python3 bench/moe_overlap.py --smoke   (2 gloo ranks, tiny shapes)
-Writes bench/results/moe_overlap.json (moe_overlap_smoke.json with --smoke) and, on GPU,
+EP8:            PYTHONPATH=src python3 bench/moe_overlap.py --world 8
+CPU smoke run:   PYTHONPATH=src python3 bench/moe_overlap.py --smoke [--world 4]   (gloo ranks, tiny shapes)
+Writes bench/results/moe_overlap.json (moe_overlap_<N>ranks.json for other --world, *_smoke with --smoke) and, on GPU,
 bench/figures/moe_overlap_trace.png (SM-by-time trace of one overlapped step at the best split).
 """
 
@@ -189,7 +190,8 @@ def _worker(rank, world, port, args):
                 best_overlapped_exposed_fraction=min((r["overlapped"]["exposed_fraction"] for r in valid),
                                                      default=None),
                 targets=dict(speedup=">= 1.3", exposed_fraction="< 0.05"))
-            path = write_result("moe_overlap_smoke" if args.smoke else "moe_overlap", payload)
+            name = "moe_overlap" + ("" if world == 2 else f"_{world}ranks") + ("_smoke" if args.smoke else "")
+            path = write_result(name, payload)
             print(f"wrote {path}", flush=True)
 
         write(None)  # the measured rows are kept even if tuning or tracing fails below
@@ -264,7 +266,8 @@ def main(argv=None):
     from smsplit.ep.buffer import BACKENDS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU run: 2 gloo ranks, tiny shapes")
+    parser.add_argument("--smoke", action="store_true", help="CPU run: gloo ranks, tiny shapes")
+    parser.add_argument("--world", type=int, default=2, help="EP ranks, one GPU each (EP8: 8)")
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 24, 32])
     parser.add_argument("--transports", nargs="+", default=[b for b in BACKENDS if b != "auto"],
                         help=f"EP transports (Buffer backends); this build has {BACKENDS}")
@@ -274,7 +277,9 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true", help="write an SM trace of one overlapped step (GPU)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="bound on every wait for the peer")
     args = parser.parse_args(argv)
-    world = 2
+    world = args.world
+    if world < 2:
+        parser.error(f"--world must be >= 2, got {world}")
     if not args.smoke and torch.cuda.device_count() < world:
         parser.error(f"needs {world} GPUs (found {torch.cuda.device_count()}); use --smoke on a CPU")
     mp.spawn(_worker, args=(world, free_port(), args), nprocs=world, join=True)
