@@ -6,10 +6,11 @@ the SM-push NVLink transport (``smsplit.ep.nvlink``) using exactly that many per
 same with a copy engine moving the BF16 rows (``bulk="copy_engine"``), and the copy-engine transport.
 Dispatch is timed with a cached layout (as DeepEP's benchmark does) and with the count exchange.
 In the same run: NCCL ``all_to_all_single`` moving the same token bytes (all SMs), and a plain
-copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling). Then dispatch+combine
+copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling; with more than 2 ranks also
+each peer's rows to that peer, all peers at once). Then dispatch+combine
 on a green-context comm budget while a bf16 GEMM runs on the compute budget.
 
-Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py
+Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
 Writes bench/results/ep.json.
 """
 
@@ -196,6 +197,24 @@ def worker(rank, world, port, args, queue):
     ce_ms = timed(lambda: dst.copy_(src))
     res["copy_engine_ms"] = _max_over_ranks(ce_ms, dev)
     res["copy_engine_bytes"] = n_cross * H * 2
+    if world > 2:  # the all-to-all ceiling: each peer's rows to that peer, all peers at once (a stream each)
+        pieces = [(transport.handle.get_buffer(d, (send_counts[d], H), torch.bfloat16,
+                                               storage_offset=transport.offsets["cx"] // 2 + rank * T * H),
+                   torch.randn(send_counts[d], H, generator=g).to(dev, torch.bfloat16))
+                  for d in range(world) if d != rank]
+        streams = [torch.cuda.Stream(dev) for _ in pieces]
+
+        def to_all_peers():
+            current = torch.cuda.current_stream()
+            for stream, (to, frm) in zip(streams, pieces):
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    to.copy_(frm)
+            for stream in streams:
+                current.wait_stream(stream)
+
+        res["copy_engine_all_peers_ms"] = _max_over_ranks(timed(to_all_peers), dev)
+        res["copy_engine_all_peers_bytes"] = sent_to_peers * H * 2
 
     # SM copies over NVLink, every rank at once: persistent programs writing to / reading from the peer
     from smsplit.copy import sm_copy

@@ -70,7 +70,9 @@ def ep():
     print(f"\nSame run: NCCL all_to_all_single of the same BF16 rows {d['nccl_all_to_all_ms'] * 1e3:.0f} us "
           f"({d['nccl_all_to_all_gbps_recv']:.0f} GB/s DeepEP convention); copy-engine peer copy of the "
           f"{d['copy_engine_bytes'] / 1e6:.1f} MB that cross NVLink {d['copy_engine_ms'] * 1e3:.0f} us "
-          f"({d['copy_engine_gbps']:.0f} GB/s).\n")
+          f"({d['copy_engine_gbps']:.0f} GB/s)."
+          + (f" To every peer at once (its own rows each): {d['copy_engine_all_peers_ms'] * 1e3:.0f} us for "
+             f"{d['copy_engine_all_peers_bytes'] / 1e6:.1f} MB." if "copy_engine_all_peers_ms" in d else "") + "\n")
     if any("dispatch_bf16_host_us" in r for r in d["rows"]):
         print("Host time of one call (Python and launches, no synchronization), median of 10:\n")
         print("| transport | comm SMs | dispatch (us) | combine (us) |")
