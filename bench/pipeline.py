@@ -1,4 +1,4 @@
-"""Pipeline schedules on 2 (or --ranks) GPUs: smsplit DualPipeV vs torch.distributed.pipelining.
+"""Pipeline schedules on 2 (or --ranks) GPUs: smsplit DualPipeV and DualPipe vs torch.distributed.pipelining.
 
     python bench/pipeline.py                     # 2 GPUs, NCCL (spawns its own 2 processes)
     python bench/pipeline.py --ranks 4           # 4 GPUs
@@ -7,7 +7,8 @@
 Model: a stack of transformer blocks (RMSNorm, causal attention, GELU MLP; bf16), split in 2 x ranks
 stages of --blocks-per-stage blocks. smsplit DualPipeV and torch's ScheduleDualPipeV put stages
 (r, 2 x ranks - 1 - r) on rank r; torch's Schedule1F1B and ScheduleGPipe put two consecutive stages on
-each rank.
+each rank; smsplit DualPipe holds two of those pairs on each rank (ranks r and ranks-1-r's: every pair twice)
+and feeds half of the micro-batches at each end.
 Every schedule runs the same micro-batches (--chunks of --micro-batch x --seq tokens).
 
 Measured: step time (median of --steps after --warmup, the slower rank's), peak memory; for
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from common import FIGURES, call_times_ms, environment, write_result  # noqa: E402
 
 from smsplit.pipeline import (  # noqa: E402
+    DualPipe,
     DualPipeV,
     Linear,
     Op,
@@ -54,6 +56,7 @@ from smsplit.pipeline import (  # noqa: E402
     comm_plans,
     schedule,
     simulate,
+    sum_stage_copies,
 )
 from smsplit.pipeline.schedule import TimedOp, _batch_peers, stage_of  # noqa: E402
 
@@ -173,6 +176,36 @@ def bench_smsplit(args, rank, device, dtype, cuda, data):
     result["peak_memory_gib"] = peak_memory(cuda)
     result["timeline"] = record_timeline(pipe, run_step, cuda)
     assert [o[0] for o in result["timeline"]["ops"]] == [str(o) for o in schedule("dualpipev", RANKS, args.chunks)[rank]]
+    return result
+
+
+def bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data):
+    """smsplit DualPipe: the same blocks as the other schedules in RANKS stages of two of ours each (like
+    1F1B's); rank r holds stages r and RANKS-1-r (every stage twice, same initial weights), half of the
+    micro-batches enter at each end, and each step ends by summing the two copies' gradients."""
+    x, y = data
+    half = x.size(0) // 2
+
+    def stage(s):
+        return nn.Sequential(*make_stage(args, 2 * s, device, dtype, Linear),
+                             *make_stage(args, 2 * s + 1, device, dtype, Linear))
+
+    pipe = DualPipe((stage(rank), stage(RANKS - 1 - rank)))
+
+    def run_step():
+        pipe.zero_grad(set_to_none=True)
+        if rank == 0:  # lane 0 starts here, lane 1 (the other half) ends here
+            pipe.step(x[:half], num_chunks=args.chunks, criterion=loss_fn, labels=(y[half:],))
+        elif rank == RANKS - 1:
+            pipe.step(x[half:], num_chunks=args.chunks, criterion=loss_fn, labels=(y[:half],))
+        else:
+            pipe.step(num_chunks=args.chunks)
+        sum_stage_copies(pipe)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = time_steps(run_step, cuda, args.warmup, args.steps)
+    result["peak_memory_gib"] = peak_memory(cuda)
     return result
 
 
@@ -426,6 +459,9 @@ def worker(rank: int, args, port: int, queue) -> None:
     data = (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
     out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, cuda, data)}
     out["smsplit.DualPipeV"]["p2p_message_ms"] = p2p_message_ms(args, rank, device, dtype, cuda)
+    if cuda:
+        torch.cuda.empty_cache()
+    out["smsplit.DualPipe"] = bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data)
     for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleDualPipeV"):
         if cuda:
             torch.cuda.empty_cache()
@@ -521,7 +557,9 @@ def main() -> None:
             ("smsplit.DualPipeV uses smsplit.pipeline.Linear (W deferred in zero-bubble steps); "
              "the modules define no overlapped_forward_backward, so an F&B runs F then B"),
             (f"torch 1F1B/GPipe: {RANKS} stages (each = 2 of our stages) on {RANKS} ranks; DualPipeV: {STAGES} "
-             "stages, V-shaped"),
+             "stages, V-shaped; smsplit.DualPipe: the same {RANKS} stages as 1F1B, each held twice (rank r: "
+             "stages r and ranks-1-r), half the micro-batches entering at each end, a step ending with "
+             "sum_stage_copies"),
             ("dualpipev_timeline: one more step with CUDA events (and host times) at the start and end of "
              "every op. Measured bubble per rank = the schedule's span (rank 0's first op start to the last "
              "op end on any rank) - the rank's summed op times. Predicted = simulate('dualpipev') fed each "
