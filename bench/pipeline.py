@@ -557,7 +557,7 @@ def main() -> None:
             ("smsplit.DualPipeV uses smsplit.pipeline.Linear (W deferred in zero-bubble steps); "
              "the modules define no overlapped_forward_backward, so an F&B runs F then B"),
             (f"torch 1F1B/GPipe: {RANKS} stages (each = 2 of our stages) on {RANKS} ranks; DualPipeV: {STAGES} "
-             "stages, V-shaped; smsplit.DualPipe: the same {RANKS} stages as 1F1B, each held twice (rank r: "
+             f"stages, V-shaped; smsplit.DualPipe: the same {RANKS} stages as 1F1B, each held twice (rank r: "
              "stages r and ranks-1-r), half the micro-batches entering at each end, a step ending with "
              "sum_stage_copies"),
             ("dualpipev_timeline: one more step with CUDA events (and host times) at the start and end of "
