@@ -57,7 +57,8 @@ def test_copy_engine_dispatch_combine_match_reference_on_two_gpus():
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_buffer_copy_engine_backend_equals_reference_backend():
+@pytest.mark.parametrize("hidden", [2048, 7168])  # 7168: DeepSeek-V3's width
+def test_buffer_copy_engine_backend_equals_reference_backend(hidden):
     from test_ep_nvlink import _buffer_worker
 
-    mp.spawn(_buffer_worker, args=(2, free_port(), "copy_engine"), nprocs=2, join=True)
+    mp.spawn(_buffer_worker, args=(2, free_port(), "copy_engine", hidden), nprocs=2, join=True)

@@ -211,13 +211,13 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
-def _buffer_worker(rank, world, port, backend="nvlink"):
-    """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs."""
+def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
+    """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs, hidden size H."""
     from smsplit.ep import Buffer
 
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
-    T, H, E, K = 256, 2048, 16, 6
+    T, E, K = 256, 16, 6
     hint = Buffer.get_buffer_size_hint(T, H, world, K, backend=backend)
     fast = Buffer(group, num_nvl_bytes=hint, num_sms=8, backend=backend, timeout_s=30)
     ref = Buffer(group, backend="reference", timeout_s=30)
@@ -255,8 +255,9 @@ def _buffer_worker(rank, world, port, backend="nvlink"):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_buffer_nvlink_backend_equals_reference_backend():
-    mp.spawn(_buffer_worker, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("hidden", [2048, 7168])  # 7168: DeepSeek-V3's width
+def test_buffer_nvlink_backend_equals_reference_backend(hidden):
+    mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink", hidden), nprocs=2, join=True)
 
 
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):
