@@ -377,6 +377,15 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
 
 # --- host side ---------------------------------------------------------------------------------------
 
+def _consecutive_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The maximal runs of 1-D ``values`` that go up by one from entry to entry (tokens, or rows of one
+    source, that one copy can move): ``(first, end)``, index ranges ``[first[i], end[i])`` into ``values``."""
+    if len(values) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    return np.concatenate(([0], breaks)).astype(np.int64), np.concatenate((breaks, [len(values)])).astype(np.int64)
+
+
 def _share_of(share: float, n: int) -> int:
     """``ceil(share * n)``, not tripped up by binary fractions (0.7 * 300 is 210.00000000000003)."""
     return min(n, math.ceil(round(share * n, 6)))
@@ -561,20 +570,19 @@ class NvlinkTransport:
         if layout.copy_plan is None:
             send_start = layout.layout[: self.num_ranks].tolist()  # where this rank's rows start on each peer
             self.raise_if_failed()  # (after that synchronization) a failed count exchange leaves no layout
-            in_rank = is_token_in_rank.cpu().numpy().astype(np.int8)
+            in_rank = is_token_in_rank.cpu().numpy()
             plan = []
             for peer in range(self.num_ranks):
                 if peer == self.rank:
                     continue
-                edges = np.flatnonzero(np.diff(np.concatenate(([0], in_rank[:, peer], [0]))))
-                first, end = edges[0::2], edges[1::2]
+                tokens = np.flatnonzero(in_rank[:, peer])  # the k-th of them lands on row send_start + k
+                first, end = _consecutive_runs(tokens)
                 if len(first) > MAX_COPY_RUNS:
                     plan = []
                     break
-                rows = send_start[peer] + np.concatenate(([0], np.cumsum(end - first)))[:-1]
-                if len(first) and not 0 <= rows[-1] + end[-1] - first[-1] <= self.num_ranks * self.max_tokens:
+                if len(tokens) and not 0 <= send_start[peer] + len(tokens) <= self.num_ranks * self.max_tokens:
                     raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {peer}'s receive area")
-                plan.append((peer, [(int(a), int(b - a), int(r)) for a, b, r in zip(first, end, rows)]))
+                plan.append((peer, [(int(tokens[a]), int(b - a), int(send_start[peer] + a)) for a, b in zip(first, end)]))
             layout.copy_plan = plan
         return layout.copy_plan
 
@@ -588,13 +596,11 @@ class NvlinkTransport:
             for source in range(R):
                 if source == self.rank:
                     continue
-                j = src[starts[source]: starts[source + 1]]
-                breaks = np.flatnonzero(np.diff(j) != 1) + 1  # a run of consecutive source tokens
-                first = np.concatenate(([0], breaks)).astype(np.int64) if len(j) else np.zeros(0, np.int64)
+                j = src[starts[source]: starts[source + 1]]  # the source token of each row from there
+                first, end = _consecutive_runs(j)
                 if len(first) > MAX_COPY_RUNS:
                     plan = []
                     break
-                end = np.concatenate((breaks, [len(j)])) if len(j) else first
                 if len(j) and not (0 <= j.min() and j.max() < self.max_tokens):
                     raise EPError(f"rank {self.rank}: received source indices outside 0..{self.max_tokens - 1}")
                 plan.append((source, [(int(starts[source] + a), int(b - a), int(j[a])) for a, b in zip(first, end)]))
