@@ -510,7 +510,6 @@ class NvlinkTransport:
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self.bulk, self.copy_share = bulk, copy_share
         self._all_by_sms = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # copied_end: none
-        self._views = {}
         if bulk == "copy_engine":
             from .copy_engine import StreamOps  # (that module imports this one)
 
@@ -547,13 +546,6 @@ class NvlinkTransport:
     # -- views into this rank's buffer ------------------------------------------------------------------
 
     def _view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        key = (name, dtype, tuple(shape))
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = self._make_view(name, dtype, shape)
-        return view
-
-    def _make_view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s
