@@ -149,14 +149,17 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share) for n in args.transports if n.startswith("nvlink") for P in args.comm_sms
-                   for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])]
-    for name, P, share in graph_cases:
+    graph_cases = [(n, P, share, chunks) for n in args.transports if n.startswith("nvlink") for P in args.comm_sms
+                   for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
+                   for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])]
+    for name, P, share, chunks in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
         if share is not None:
             tr.copy_share = share
+        if chunks is not None:
+            tr.combine_chunks = chunks
         graphs = {
             "dispatch_bf16": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
                                                           num_worst_tokens=worst, cached=cached)),
@@ -164,7 +167,8 @@ def worker(rank, world, port, args, queue):
                                                          quantize=True, num_worst_tokens=worst, cached=cached)),
             "combine": graph_of(lambda: tr.combine(y, None, lay)),
         }
-        row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share}
+        row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
+               "combine_chunks": chunks}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
         torch.cuda.synchronize()
@@ -172,12 +176,13 @@ def worker(rank, world, port, args, queue):
         res["graph_rows"].append(row)
         del graphs
         if rank == 0:
-            print(f"{name}{'' if share is None else f' share {share}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+            print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us",
                   flush=True)
 
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share
+        transports["nvlink_copy_engine"].combine_chunks = args.combine_chunks[0]
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -286,13 +291,17 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
-    parser.add_argument("--concurrent-sms", type=int, nargs="+", default=[20])
+    parser.add_argument("--concurrent-sms", type=int, nargs="*", default=[20])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
     parser.add_argument("--copy-share", type=float, default=0.7,
                         help="nvlink_copy_engine: share of the rows the copy engines move (eager rows)")
+    parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
+                        default=[(0.4, 0.7, 0.9, 1.0)],
+                        help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
+                             "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
                         help="nvlink_copy_engine: shares replayed from CUDA graphs")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())

@@ -105,6 +105,26 @@ def worker(rank, world, port, args, queue):
               "individual_ms": timed(one_by_one),
               "batched_ms": timed(lambda: ops.memcpy_batch(stream, pieces)),
               "batched_works": ops.batched}
+    flag_src = torch.zeros(1, dtype=torch.int32, device=dev)
+    flag_dst = handle.get_buffer(peer, (1,), torch.int32, storage_offset=0)  # (a word of the peer's first half)
+
+    def flagged():  # each piece followed by a 4-byte copy to the peer (a chunk's copy-done flag)
+        for dst, source, size in pieces:
+            ops.memcpy(stream, dst, source, size)
+            ops.memcpy(stream, flag_dst.data_ptr(), flag_src.data_ptr(), 4)
+
+    def peer_and_local():  # the peer copy and a local copy of the same bytes at once, on two streams
+        side[0].wait_stream(stream)
+        with torch.cuda.stream(side[0]):
+            local.copy_(src)
+        peer_in.copy_(src)
+        stream.wait_stream(side[0])
+
+    pieced.update({"flagged_ms": timed(flagged),
+                   "local_copy_engine_ms": timed(lambda: local.copy_(src)),
+                   "peer_and_local_ms": timed(peer_and_local),
+                   "sm_local_tma_20_ms": timed(lambda: sm_copy(local, src, 20, method="tma")),
+                   "sm_local_ldst_20_ms": timed(lambda: sm_copy(local, src, 20, block=4096, num_warps=16))})
     for who in range(world):  # one direction only: rank `who` copies, the others wait at the barrier
         dist.barrier(device_ids=[rank])
         if rank == who:

@@ -89,6 +89,8 @@ def ep():
         print("|---|---|---|---|---|---|")
         for r in graph_rows:
             share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
+            if r.get("combine_chunks"):
+                share += " (combine chunks " + ", ".join(f"{f:g}" for f in r["combine_chunks"]) + ")"
             print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
                   f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |")
         print()
@@ -121,9 +123,14 @@ def ep_figure(name="ep"):
             rows = [r for r in d["rows"] if r["transport"] == transport]
             ax.plot([r["comm_sms"] for r in rows], [r[eager_key] * 1e3 for r in rows], "o--", label=f"{transport} (eager)")
         graph_rows = d.get("graph_rows", [])
-        for transport, share in dict.fromkeys((r["transport"], r.get("copy_share")) for r in graph_rows):
-            rows = [r for r in graph_rows if r["transport"] == transport and r.get("copy_share") == share]
-            label = f"{transport} (graph, {'uncached' if share is None else f'copy share {share:g}'})"
+        variants = dict.fromkeys((r["transport"], r.get("copy_share"), tuple(r.get("combine_chunks") or ())) for r in graph_rows)
+        for transport, share, chunks in variants:
+            rows = [r for r in graph_rows if (r["transport"], r.get("copy_share"), tuple(r.get("combine_chunks") or ()))
+                    == (transport, share, chunks)]
+            label = f"{transport} (graph, {'uncached' if share is None else f'copy share {share:g}'}"
+            if len({v[2] for v in variants if v[0] == transport}) > 1:
+                label += ", chunks " + ",".join(f"{f:g}" for f in chunks)
+            label += ")"
             ax.plot([r["comm_sms"] for r in rows], [r[f"{key}_graph_ms"] * 1e3 for r in rows], "s-", label=label)
         if key == "dispatch_bf16":
             ax.axhline(d["nccl_all_to_all_ms"] * 1e3, color="gray", ls=":", label="NCCL all_to_all_single (all SMs)")

@@ -95,40 +95,42 @@ def test_a_layout_past_the_receive_area_is_refused():
 
 
 @pytest.mark.parametrize("num_ranks,rank", [(2, 1), (4, 0), (8, 3)])
-def test_combine_runs_and_slots(num_ranks, rank):
+@pytest.mark.parametrize("share,fractions", [(1.0, (0.4, 0.7, 0.9, 1.0)), (0.5, (1.0,)), (0.7, (0.25, 0.5, 1.0))])
+def test_combine_chunks_return_each_sources_rows_as_one_block(num_ranks, rank, share, fractions):
     rng = random.Random(num_ranks + rank)
     counts = [rng.randrange(0, 30) for _ in range(num_ranks)]
+    counts[(rank + 1) % num_ranks] = 0  # a source that sent nothing
     recv_start = [0]
-    src = []
-    for n in counts:  # each source's rows: increasing token indices with gaps
-        tokens = sorted(rng.sample(range(50), n))
-        src += tokens
+    for n in counts:
         recv_start.append(recv_start[-1] + n)
-    tr = transport(rank, num_ranks, max_tokens=50)
-    lay = layout(0, num_ranks, recv_start=recv_start)
-    recv_src = torch.tensor(src + [-1] * 7, dtype=torch.int32)  # padding rows after the received ones
-    plan = tr._combine_plan(lay, recv_src)
-    assert [s for s, _ in plan] == [s for s in range(num_ranks) if s != rank]
-    for source, runs in plan:
-        rows = list(range(recv_start[source], recv_start[source + 1]))
-        expected, r = [], 0
-        while r < len(rows):  # a run: consecutive rows whose source tokens are consecutive
-            first = r
-            while r + 1 < len(rows) and src[rows[r + 1]] == src[rows[r]] + 1:
-                r += 1
-            r += 1
-            expected.append((rows[first], r - first, src[rows[first]]))
-        assert runs == expected
-    tr.copy_share = 0.5
-    copies, ends = tr._combine_split(lay, recv_src)
+    tr = transport(rank, num_ranks, max_tokens=50, copy_share=share)
+    tr.combine_chunks = fractions
+    chunks, ends = tr._combine_split(layout(0, num_ranks, recv_start=recv_start))
+    assert len(chunks) == len(fractions) and tuple(ends.shape) == (num_ranks, len(fractions))
     for source in range(num_ranks):
         if source == rank:
-            assert int(ends[source]) == 0  # own rows are summed from y, never copied
+            assert ends[source].tolist() == [0] * len(fractions)  # own rows are summed from y, never copied
             continue
         n = counts[source]
-        assert int(ends[source]) == recv_start[source] + -(-n // 2)
-        moved = [row for s, first, k, _ in copies if s == source for row in range(first, first + k)]
-        assert moved == list(range(recv_start[source], int(ends[source])))
+        copied = -(-n * round(share * 10) // 10)  # ceil(share * n)
+        assert ends[source].tolist() == [-(-copied * round(f * 100) // 100) for f in fractions]
+        # chunk c moves rows [end of c-1, end of c) of this source to the same positions of its slots, in order
+        begin = 0
+        for c, chunk in enumerate(chunks):
+            mine = [(first, k, slot) for s, first, k, slot in chunk if s == source]
+            end = int(ends[source, c])
+            assert mine == ([(recv_start[source] + begin, end - begin, begin)] if end > begin else [])
+            begin = end
+        assert begin == copied  # the SMs push positions copied..n-1
+
+
+def test_combine_chunks_are_checked():
+    tr = transport(0, 2, max_tokens=10)
+    lay = layout(0, 2, recv_start=[0, 5, 9])
+    for bad in ((), (0.5,), (0.6, 0.3, 1.0), (0.0, 1.0), tuple([0.1 * i for i in range(1, 10)]) + (1.0,)):
+        tr.combine_chunks = bad
+        with pytest.raises(ValueError, match="combine_chunks"):
+            tr._combine_split(lay)
 
 
 def test_share_rounding_is_exact_for_decimal_shares():

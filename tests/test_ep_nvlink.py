@@ -42,23 +42,23 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
                                    num_warps=16, aligned=aligned)
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > 1
-    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "src_ptr": "*i32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
            "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
-           "copied_end_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
+           "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
            "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
-           "off_cx": "i64", "off_cw": "i64", "sig_off": "i64", "off_copied": "i64",
+           "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
            "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
-           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr",
-           "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
+           "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
     aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     consts = {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2, "HAS_WEIGHTS": True,
-              "WAIT_COPIES": False, "TRACE": False}
+              "WAIT_COPIES": False, "CHUNKS": 1, "CP": 1, "TRACE": False}
     text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
     # copy engines push some rows: one more bounded wait, for their copy-done flags
-    text_ce, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, dict(consts, WAIT_COPIES=True),
+    text_ce, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, dict(consts, WAIT_COPIES=True, CHUNKS=4, CP=4),
                                       num_warps=16, aligned=aligned)
     ptx.compile_for_sm90(nvlink.bump_kernel, {"counter_ptr": "*i32"}, num_warps=1)
     assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
@@ -122,6 +122,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             for r in range(world):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
+        if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most)
+            transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
@@ -188,6 +190,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
+
+COMBINE_CHUNKS = [(0.4, 0.7, 0.9, 1.0), (1.0,), (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)]
 
 # Rounds of `_worker`: (tokens on each rank, top-k, quantize to FP8, num_worst_tokens); each transport's test adds its own.
 DISPATCH_CASES = [
@@ -347,7 +351,7 @@ def _graph_worker(rank, world, port, bulk="sm"):
         *_, warm_layout, _, _ = step()
     if bulk == "copy_engine":
         cached = warm_layout
-        assert cached.copy_plan and cached.combine_plan  # the copy engines move the rows
+        assert cached.copy_plan and any(key[0] == "combine" for key in cached.splits)  # the copy engines move rows
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])

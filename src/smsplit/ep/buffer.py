@@ -555,7 +555,7 @@ class Buffer:
         rows = handle.num_recv_rows
         out, summed_weights = handle.nvlink_transport.combine(
             x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
-            handle.nvlink_layout, recv_src=handle.recv_src_idx)
+            handle.nvlink_layout)
         if not biases:
             return out, summed_weights
         summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference

@@ -253,7 +253,7 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, fail
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
             t = t0 + tl.arange(0, TB)
             sum_returned_rows(t, t < t_end, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx, cw, M, out_ptr, out_w_ptr,
-                              H, K, HB, KP, RP, TB, HAS_WEIGHTS, True)  # slot [destination][position]
+                              H, K, HB, KP, RP, TB, HAS_WEIGHTS)  # slot [destination][position]
     tl.debug_barrier()
     old = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
     if old == programs - 1:
@@ -509,11 +509,10 @@ class CopyEngineTransport:
                     t[total:].fill_(fill)
         return recv_x, recv_scales, recv_topk, recv_weights, recv_src, layout
 
-    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: CopyEngineLayout, trace=None,
-                recv_src: torch.Tensor | None = None):
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: CopyEngineLayout, trace=None):
         """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum, per
         token, the rows that come back (fp32). Returns ``(bf16 [num_tokens, hidden], fp32 [num_tokens, K] or
-        None)``. ``recv_src`` is accepted for the NVLink transport's signature and not needed."""
+        None)``."""
         self.raise_if_failed()
         R, NC, T, H, me = self.num_ranks, self.num_chunks, layout.num_tokens, self.hidden, self.rank
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():

@@ -50,9 +50,10 @@ ALIGN = 256
 PHASES = ("notify", "dispatch", "combine")
 BULK_MOVERS = ("sm", "copy_engine")
 MAX_COPY_RUNS = 64  # bulk="copy_engine": more runs of consecutive tokens per peer than this, and the SMs move them
+MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
 # local state words (per rank, not shared): [phase] arrivals per source seen so far,
 # [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out,
-# [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine)
+# [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine chunks)
 STATE_WORDS = 10
 FAIL_WORD = tl.constexpr(7)
 COPIES_WORD = tl.constexpr(8)
@@ -61,23 +62,28 @@ COPIES_WORD = tl.constexpr(8)
 # --- device helpers --------------------------------------------------------------------------------
 
 @triton.jit
+def _wait_for_one(flag_ptr, target, peer, timeout_ns, status_ptr, fail_ptr, phase):
+    """Wait (thread 0 spins; follow with ``tl.debug_barrier()``) until ``*flag_ptr >= target``, bounded by
+    ``timeout_ns``, unless an earlier wait failed (device word ``fail_ptr``, read cheaply). On timeout thread 0
+    writes (phase, peer, seen, expected) to the status words (pinned host memory, read by the host only: a read
+    from every warp would cost a PCIe round trip each) and sets ``fail_ptr``, so every later wait returns at once."""
+    if tl.load(fail_ptr, volatile=True) == 0:
+        seen = ptx.wait_geq_sys(flag_ptr, target, timeout_ns)
+        if seen < target:  # only thread 0 can see this
+            tl.store(status_ptr + 1, peer)
+            tl.store(status_ptr + 2, seen)
+            tl.store(status_ptr + 3, target)
+            tl.store(status_ptr, phase)
+            tl.store(fail_ptr, 1)
+
+
+@triton.jit
 def _wait_for_ranks(flags_ptr, first, stride, R, rank, skip_self, target, timeout_ns, status_ptr, fail_ptr, phase):
     """Wait until ``flags_ptr[first + s * stride] >= target`` for every rank s < R (but ``rank`` when
-    ``skip_self``), each wait bounded by ``timeout_ns`` (thread 0 spins, the program waits at a barrier).
-    On timeout thread 0 writes (phase, s, seen, expected) to the status words (pinned host memory, read
-    by the host only: a read from every warp would cost a PCIe round trip each) and sets the device word
-    ``fail_ptr``, which every later wait reads, cheaply, to return at once."""
-    failed = tl.load(fail_ptr, volatile=True)
+    ``skip_self``), each wait bounded (`_wait_for_one`); the program waits at a barrier."""
     for s in range(R):
-        if (failed == 0) & ((skip_self == 0) | (s != rank)):
-            seen = ptx.wait_geq_sys(flags_ptr + first + s * stride, target, timeout_ns)
-            if seen < target:  # only thread 0 can see this
-                tl.store(status_ptr + 1, s)
-                tl.store(status_ptr + 2, seen)
-                tl.store(status_ptr + 3, target)
-                tl.store(status_ptr, phase)
-                tl.store(fail_ptr, 1)
-                failed = 1
+        if (skip_self == 0) | (s != rank):
+            _wait_for_one(flags_ptr + first + s * stride, target, s, timeout_ns, status_ptr, fail_ptr, phase)
     tl.debug_barrier()
 
 
@@ -163,11 +169,11 @@ def _pick(values, cols, d):
 @triton.jit
 def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, slots, out_ptr, out_w_ptr, H, K,
                       HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
-                      HAS_WEIGHTS: tl.constexpr, SLOT_BY_POS: tl.constexpr):
+                      HAS_WEIGHTS: tl.constexpr):
     """The sum of a combine, shared by both transports: for each token of ``t`` (``[TB]``, ``tmask``), add in
     fp32 the rows that came back from the ranks it went to (``pos[t, d] >= 0``), its own rank's from row
-    ``self_start + pos[t, rank]`` of ``y``, rank d's from slot ``d * slots + (pos[t, d] if SLOT_BY_POS else t)``
-    of the combine area ``cx`` (weights: ``yw``, ``cw``), and store it in bf16 (weights fp32) into ``out``."""
+    ``self_start + pos[t, rank]`` of ``y``, rank d's from slot ``d * slots + pos[t, d]`` of the combine area
+    ``cx`` (weights: ``yw``, ``cw``), and store it in bf16 (weights fp32) into ``out``."""
     cols = tl.arange(0, RP)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
@@ -186,10 +192,7 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
             if HAS_WEIGHTS:
                 acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
         else:
-            if SLOT_BY_POS:
-                slot = d * slots + p
-            else:
-                slot = d * slots + t64
+            slot = d * slots + p
             acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
             if HAS_WEIGHTS:
                 acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
@@ -313,17 +316,23 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 # --- combine -----------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
-def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr, own_buf,
-                   copied_end_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
-                   off_cx, off_cw, sig_off, off_copied, timeout_ns,
+def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr, own_buf,
+                   chunk_ends_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
+                   off_cx, off_cw, off_chunk_ends, sig_off, off_copied, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WAIT_COPIES: tl.constexpr,
-                   TRACE: tl.constexpr, trace_ptr, trace_tag):
-    """Push each row received from another rank back to slot [rank][src[r]] of its source's
-    combine area, then sum, for each of this rank's tokens, its rows from the ranks it went to (fp32;
-    its own rank's row straight from y) into out (bf16). Rows ``r < copied_end[source]`` go back by copy
-    engines (the kernel pushes their weights); WAIT_COPIES: wait for the peers' copy-done flags first."""
+                   CHUNKS: tl.constexpr, CP: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+    """Push the i-th row received from each other rank back to slot [rank][i] of that source's combine area,
+    then sum, for each of this rank's tokens, its rows from the ranks it went to (fp32; its own rank's row
+    straight from y) into out (bf16).
+
+    Copy engines may move the rows: ``chunk_ends`` (int32 ``[R, CHUNKS]``) ends each source's copied rows
+    in CHUNKS chunks (positions among the rows received from it; the kernel pushes the rows past the last
+    end, and all weights). WAIT_COPIES: program 0 tells each source its chunk ends, and the sum waits, per
+    block of tokens, only for the chunks that hold the rows it adds (each chunk's copy-done flag), so it
+    runs while the copy engines still move later chunks."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
+    fail_ptr = state_ptr + FAIL_WORD
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 2, volatile=True)
@@ -335,18 +344,26 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
     cols = tl.arange(0, RP)
+    cc = tl.arange(0, CP)
     total = tl.load(layout_ptr + 2 * R)
     starts = tl.load(layout_ptr + R + cols, mask=cols < R, other=2**30)
     self_start = tl.load(layout_ptr + R + rank)
+    if WAIT_COPIES:
+        if pid == 0:  # each source learns where the chunks of the rows it gets back end
+            for d in range(R):
+                if d != rank:
+                    ends_there = (tl.load(bases_ptr + d) + off_chunk_ends).to(tl.pointer_type(tl.int32)) + rank * CHUNKS
+                    tl.store(ends_there + cc, tl.load(chunk_ends_ptr + d * CHUNKS + cc, mask=cc < CHUNKS), mask=cc < CHUNKS)
     for r0 in range(pid * TB, total, programs * TB):
         r = r0 + tl.arange(0, TB)
         r64 = r.to(tl.int64)[:, None]
         source = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1) - 1
         rmask = ((r < total) & (source != rank))[:, None]
-        j = tl.load(src_ptr + r64, mask=rmask, other=0).to(tl.int64)
+        i = (r - tl.load(layout_ptr + R + source, mask=r < total, other=0)).to(tl.int64)  # position among the source's rows
         base = tl.load(bases_ptr + source, mask=r < total, other=0)[:, None]
-        slot = rank * max_tokens + j
-        push = rmask & (r >= tl.load(copied_end_ptr + source, mask=r < total, other=0))[:, None]
+        slot = rank * max_tokens + i[:, None]
+        copied = tl.load(chunk_ends_ptr + source * CHUNKS + CHUNKS - 1, mask=r < total, other=0)
+        push = rmask & (i >= copied)[:, None]
         w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, push & vmask)
         dst = (base + off_cx + slot * H * 2).to(tl.pointer_type(tl.int32))
         ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, push & vmask)
@@ -356,20 +373,36 @@ def combine_kernel(y_ptr, yw_ptr, src_ptr, layout_ptr, pos_ptr, bases_ptr, state
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
     own = tl.load(bases_ptr + rank)
     _wait_for_ranks((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
-                    timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
+                    timeout_ns, status_ptr, fail_ptr, 3)
     copies_seen = -1
     if WAIT_COPIES:
         copies_seen = tl.load(state_ptr + COPIES_WORD + 1, volatile=True) + 1
-        _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
-                        timeout_ns, status_ptr, state_ptr + FAIL_WORD, 3)
+        ends_here = (own_buf + off_chunk_ends).to(tl.pointer_type(tl.int32), bitcast=True)
+        ends = tl.load(ends_here + cols[:, None] * CHUNKS + cc[None, :], mask=(cols[:, None] < R) & (cc[None, :] < CHUNKS),
+                       other=2**30, volatile=True)  # [RP, CP] chunk ends per source
+        landed = tl.full((RP,), -1, tl.int32)  # per source, the last chunk this program has seen arrive
+        flags = (own + off_copied).to(tl.pointer_type(tl.int32))  # chunk c's flag from source d: word c * R + d
     # the combine area as typed pointers off this rank's buffer tensor (alignment known: loads vectorize)
     cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
     cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
     y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
+        if WAIT_COPIES:
+            pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :], mask=(t < T)[:, None] & (cols[None, :] < R),
+                          other=-1)
+            last = tl.max(pos, axis=0)  # [RP] the last row each source returns for these tokens
+            need = tl.sum((ends <= last[:, None]).to(tl.int32), axis=1)  # its chunk (CHUNKS: pushed by SMs)
+            need = tl.where((last >= 0) & (need < CHUNKS) & (cols != rank), need, -1)
+            if tl.max(need - landed, axis=0) > 0:
+                for d in range(R):
+                    c = _pick(need, cols, d)
+                    if c > _pick(landed, cols, d):  # chunks land in order: chunk c's flag covers the earlier ones
+                        _wait_for_one(flags + c * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 3)
+                tl.debug_barrier()
+                landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
-                          H, K, HB, KP, RP, TB, HAS_WEIGHTS, False)  # slot [source][token]
+                          H, K, HB, KP, RP, TB, HAS_WEIGHTS)
     _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
@@ -396,11 +429,12 @@ def _pow2(n: int) -> int:
 
 
 def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
-    """Bytes of each region of the symmetric buffer: flags, the count matrix, the copy-engine flags, the receive area (one row for
-    every token of every source, bf16-sized) with scales, top-k, weights and source index, and the combine
-    area (one slot per source rank and token)."""
+    """Bytes of each region of the symmetric buffer: flags, the count matrix, the copy-engine flags (per source:
+    the dispatch's, then each combine chunk's) and where each source's combine chunks end, the receive area (one
+    row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
+    combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": 3 * 64, "counts": R * R * 4, "copied": 2 * R * 4,
+    return {"signals": 3 * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -420,10 +454,8 @@ class NvlinkLayout:
         copy_plan: with ``bulk="copy_engine"``, made at the first dispatch that uses it (host copy of the
             layout): ``[(peer, [(first token, tokens, first row on the peer), ...]), ...]``, or ``[]`` when
             the runs are too many and the SMs move the rows.
-        combine_plan: the same for the combine, made at its first combine: ``[(source, [(first received
-            row, rows, first slot in the source's combine area), ...]), ...]`` or ``[]``.
-        splits: per (``"dispatch"`` or ``"combine"``, ``copy_share``), the copies the copy engines make
-            and where the SMs take over (see `NvlinkTransport`).
+        splits: per (``"dispatch"``, ``copy_share``) and (``"combine"``, ``copy_share``, ``combine_chunks``),
+            the copies the copy engines make and where the SMs take over (see `NvlinkTransport`).
     """
 
     pos: torch.Tensor
@@ -431,7 +463,6 @@ class NvlinkLayout:
     num_tokens: int
     num_recv_rows: int
     copy_plan: list | None = None  # bulk="copy_engine": per peer, the runs of rows its copy engine moves
-    combine_plan: list | None = None  # the same for the combine: runs of received rows going back
     splits: dict = field(default_factory=dict)
 
     @property
@@ -459,8 +490,11 @@ class NvlinkTransport:
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
             peers' copy-done flags). With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
-            be captured in a CUDA graph), and a layout with more than ``MAX_COPY_RUNS`` runs for some
-            peer is moved by the SMs.
+            be captured in a CUDA graph), and a dispatch layout with more than ``MAX_COPY_RUNS`` runs for
+            some peer is moved by the SMs. A combine's rows go back to each source as one block, copied
+            in the chunks ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the
+            last 1.0, at most ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as
+            soon as it has landed.
         copy_share: with ``bulk="copy_engine"``, the share of the rows that the copy engines move: the
             rows of this rank's first ``ceil(copy_share * num_tokens)`` tokens in a dispatch and the first
             ``ceil(copy_share * n)`` of the ``n`` rows received from each source in a combine; the SMs
@@ -491,7 +525,8 @@ class NvlinkTransport:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
         self.num_sms = num_sms
         self.tokens_per_step = 4
-        self.combine_tokens_per_step = 2
+        self.combine_tokens_per_step = 4
+        self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -509,7 +544,7 @@ class NvlinkTransport:
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self.bulk, self.copy_share = bulk, copy_share
-        self._all_by_sms = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # copied_end: none
+        self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         if bulk == "copy_engine":
             from .copy_engine import StreamOps  # (that module imports this one)
 
@@ -578,27 +613,6 @@ class NvlinkTransport:
             layout.copy_plan = plan
         return layout.copy_plan
 
-    def _combine_plan(self, layout: NvlinkLayout, recv_src: torch.Tensor) -> list:
-        """``layout.combine_plan``, made on first use (a host synchronization)."""
-        if layout.combine_plan is None:
-            R = self.num_ranks
-            starts = layout.layout[R: 2 * R + 1].tolist()  # where each source's rows start here, then the total
-            src = recv_src[: starts[R]].cpu().numpy().astype(np.int64)
-            plan = []
-            for source in range(R):
-                if source == self.rank:
-                    continue
-                j = src[starts[source]: starts[source + 1]]  # the source token of each row from there
-                first, end = _consecutive_runs(j)
-                if len(first) > MAX_COPY_RUNS:
-                    plan = []
-                    break
-                if len(j) and not (0 <= j.min() and j.max() < self.max_tokens):
-                    raise EPError(f"rank {self.rank}: received source indices outside 0..{self.max_tokens - 1}")
-                plan.append((source, [(int(starts[source] + a), int(b - a), int(j[a])) for a, b in zip(first, end)]))
-            layout.combine_plan = plan
-        return layout.combine_plan
-
     def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor):
         """``(copies [(peer, first token, tokens, first row)], sm_from)`` for ``copy_share``: the copy engines
         move the runs of tokens before ``sm_from``, the SMs the rest (made once per layout and share)."""
@@ -610,42 +624,58 @@ class NvlinkTransport:
                                    for peer, runs in plan for first, n, row in runs if first < sm_from], sm_from)
         return layout.splits[key]
 
-    def _combine_split(self, layout: NvlinkLayout, recv_src: torch.Tensor):
-        """``(copies [(source, first row, rows, first slot)], copied_end)`` for ``copy_share``: the copy engines
-        move received rows ``r < copied_end[source]`` (int32 device tensor), the SMs the rest."""
-        key = ("combine", self.copy_share)
+    def _combine_split(self, layout: NvlinkLayout):
+        """``(chunks, chunk_ends)`` for ``copy_share`` and ``combine_chunks`` (made once per layout, after a host
+        read of where each source's rows start): ``chunks[c]`` lists the copies ``(source, first row, rows,
+        first slot)`` of chunk c, ``chunk_ends`` (int32 device ``[R, len(combine_chunks)]``) where each source's
+        chunks end, counted in rows received from it; the SMs push the rows past the last end."""
+        fractions = tuple(self.combine_chunks)
+        if not (0 < len(fractions) <= MAX_CHUNKS and fractions[-1] == 1.0
+                and all(a < b for a, b in zip((0.0,) + fractions, fractions))):
+            raise ValueError(f"combine_chunks must be 1 to {MAX_CHUNKS} increasing fractions in (0, 1] ending "
+                             f"with 1.0, got {fractions}")
+        key = ("combine", self.copy_share, fractions)
         if key not in layout.splits:
-            plan = self._combine_plan(layout, recv_src)
             R = self.num_ranks
-            starts = layout.layout[R: 2 * R + 1].tolist()
-            ends, copies = [0] * R, []
-            for source, runs in plan:
-                ends[source] = starts[source] + _share_of(self.copy_share, starts[source + 1] - starts[source])
-                copies += [(source, row, min(n, ends[source] - row), slot) for row, n, slot in runs if row < ends[source]]
-            layout.splits[key] = (copies, torch.tensor(ends, dtype=torch.int32, device=self.device))
+            starts = layout.layout[R: 2 * R + 1].tolist()  # where each source's rows start here, then the total
+            self.raise_if_failed()
+            ends = np.zeros((R, len(fractions)), np.int32)
+            chunks = [[] for _ in fractions]
+            for source in range(R):
+                if source == self.rank:
+                    continue
+                copied = _share_of(self.copy_share, starts[source + 1] - starts[source])
+                begin = 0
+                for c, fraction in enumerate(fractions):
+                    ends[source, c] = end = _share_of(fraction, copied)
+                    if end > begin:
+                        chunks[c].append((source, starts[source] + begin, end - begin, begin))
+                    begin = end
+            layout.splits[key] = (chunks, torch.tensor(ends, device=self.device))
         return layout.splits[key]
 
-    def _copy(self, copies: list, flag: int) -> torch.cuda.Event:
-        """Queue, on the copy stream after the work queued so far on the current stream (the copies' inputs):
-        the copies ``(dst, src, nbytes)``, then this rank's copy-done counter ``flag`` (0: dispatch, 1: combine),
-        bumped, into word ``flag * R + rank`` of every peer's copy flags (also with no copies: every peer
-        waits for it). Returns the event the current stream must wait for (after its kernel), so that the
-        sources stay unchanged until read. Capturable in a CUDA graph (plain copies then)."""
+    def _copy(self, steps: list, counter: int) -> torch.cuda.Event:
+        """Queue, on the copy stream after the work queued so far on the current stream (the copies' inputs),
+        the ``steps`` in order: each ``(copies [(dst, src, nbytes)], flag, peers)`` copies, then this rank's
+        copy-done counter ``counter`` (0: dispatch, 1: combine; bumped first) into word ``flag * R + rank`` of
+        the copy flags of each of ``peers`` (a copy on the same stream starts when the data is in). Returns the
+        event the current stream must wait for (after its kernel), so that the sources stay unchanged until
+        read. Capturable in a CUDA graph (plain copies then)."""
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
-        counter = self.copies_done[flag:flag + 1]
+        value = self.copies_done[counter:counter + 1]
         with torch.cuda.stream(cs):
-            bump_kernel[(1,)](counter, num_warps=1)
+            bump_kernel[(1,)](value, num_warps=1)
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
-            for dst, src, nbytes in copies:
-                self.ops.memcpy(cs, dst, src, nbytes)
-        else:
-            self.ops.memcpy_batch(cs, copies)
-        for peer in range(self.num_ranks):  # after the data: a copy on the same stream starts when they are done
-            if peer != self.rank:
+        for copies, flag, peers in steps:
+            if capturing:
+                for dst, src, nbytes in copies:
+                    self.ops.memcpy(cs, dst, src, nbytes)
+            else:
+                self.ops.memcpy_batch(cs, copies)
+            for peer in peers:
                 self.ops.memcpy(cs, self.base_addrs[peer] + self.offsets["copied"] + 4 * (flag * self.num_ranks + self.rank),
-                                counter.data_ptr(), 4)
+                                value.data_ptr(), 4)
         done = torch.cuda.Event()
         done.record(cs)
         return done
@@ -707,8 +737,9 @@ class NvlinkTransport:
         if copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
             runs, sm_from = self._dispatch_split(result, is_token_in_rank)
             row_bytes = H * x_bytes
-            copied = self._copy([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
-                                  x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0)
+            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
+                                    x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0,
+                                  [peer for peer in range(R) if peer != self.rank])], 0)  # every peer waits for it
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
         if trace is not None:
@@ -737,12 +768,10 @@ class NvlinkTransport:
         recv_src = self._view("src", torch.int32, (rows,))
         return recv_x, recv_scales, recv_topk, recv_weights, recv_src, result
 
-    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None,
-                recv_src: torch.Tensor | None = None):
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: NvlinkLayout, trace=None):
         """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum,
         per token, the rows that come back (fp32). Returns ``(combined bf16 [num_tokens, hidden],
-        combined weights fp32 [num_tokens, K] or None)``; fresh tensors. ``recv_src``: the source token
-        of each received row (int32), when a later dispatch may have overwritten the buffer's copy."""
+        combined weights fp32 [num_tokens, K] or None)``; fresh tensors."""
         self.raise_if_failed()
         R, T, H = self.num_ranks, layout.num_tokens, self.hidden
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
@@ -751,34 +780,34 @@ class NvlinkTransport:
         if y_weights is not None and not y_weights.is_contiguous():
             raise ValueError("topk_weights: the kernels index rows densely; pass a contiguous tensor")
         K = y_weights.size(1) if y_weights is not None else 1
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
-        if recv_src is None:
-            recv_src = self._view("src", torch.int32, (layout.num_recv_rows,))
         copies = self.bulk == "copy_engine"
-        if copies and torch.cuda.is_current_stream_capturing() and ("combine", self.copy_share) not in layout.splits:
+        if copies and torch.cuda.is_current_stream_capturing() and (
+                ("combine", self.copy_share, tuple(self.combine_chunks)) not in layout.splits):
             raise ValueError("bulk='copy_engine': a combine captured in a CUDA graph needs a layout that an earlier "
                              "combine has used (its copies are planned on the host)")
-        copied_end = self._all_by_sms
-        if copies:  # queued before the kernel, which pushes the rest and the weights and waits for the peers
-            runs, copied_end = self._combine_split(layout, recv_src)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
+        chunk_ends = self._all_by_sms
+        if copies:  # queued before the kernel, which pushes the rest and the weights and sums as chunks land
+            chunks, chunk_ends = self._combine_split(layout)
             row_bytes = H * 2
-            copied = self._copy([(self.base_addrs[source] + self.offsets["cx"]
-                                  + (self.rank * self.max_tokens + slot) * row_bytes,
-                                  y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in runs], 1)
+            copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
+                                    + (self.rank * self.max_tokens + slot) * row_bytes,
+                                    y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
+                                  1 + c, sorted({source for source, *_ in chunk})) for c, chunk in enumerate(chunks)], 1)
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
             trace_view, tag = layout.layout, 0
+        chunk_count = chunk_ends.size(1)
         combine_kernel[(self.num_sms,)](
             y.view(torch.uint8).view(torch.int32),
-            y_weights if y_weights is not None else out, recv_src, layout.layout, layout.pos, self.bases,
-            self.state, self._status_addr(), self.buffer, copied_end, out, out_w if out_w is not None else out, T, H, K, R,
-            self.rank,
-            self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["signals"],
-            self.offsets["copied"] + 4 * R, self.timeout_ns,
+            y_weights if y_weights is not None else out, layout.layout, layout.pos, self.bases,
+            self.state, self._status_addr(), self.buffer, chunk_ends, out, out_w if out_w is not None else out, T, H, K, R,
+            self.rank, self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"],
+            self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
             VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=self.combine_tokens_per_step,
-            HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies,
+            HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
             TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=16,
         )
         if copies:
