@@ -61,7 +61,8 @@ def worker(rank, world, port, args, queue):
     if "nvlink_copy_engine" in args.transports:
         transports["nvlink_copy_engine"] = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
                                                            max_tokens=T, hidden=H, max_topk=K, timeout_s=60,
-                                                           bulk="copy_engine", copy_share=args.copy_share)
+                                                           bulk="copy_engine", copy_share=args.copy_share,
+                                                           combine_copy_share=args.combine_copy_share)
     if "copy_engine" in args.transports:
         transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
                                                         max_tokens=T, hidden=H, max_topk=K,
@@ -168,7 +169,7 @@ def worker(rank, world, port, args, queue):
             "combine": graph_of(lambda: tr.combine(y, None, lay)),
         }
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
-               "combine_chunks": chunks}
+               "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
         torch.cuda.synchronize()
@@ -297,13 +298,15 @@ def main():
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
     parser.add_argument("--copy-share", type=float, default=0.7,
-                        help="nvlink_copy_engine: share of the rows the copy engines move (eager rows)")
+                        help="nvlink_copy_engine: share of a dispatch's rows the copy engines move (eager rows)")
+    parser.add_argument("--combine-copy-share", type=float, default=1.0,
+                        help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")
     parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
                         default=[(0.4, 0.7, 0.9, 1.0)],
                         help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
                              "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
-                        help="nvlink_copy_engine: shares replayed from CUDA graphs")
+                        help="nvlink_copy_engine: dispatch shares replayed from CUDA graphs")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     res = run_ranks(worker, args.world, args)

@@ -15,6 +15,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     """An NvlinkTransport with only the host-side state the planning reads (no GPU, no buffer)."""
     t = object.__new__(nvlink.NvlinkTransport)
     t.rank, t.num_ranks, t.max_tokens, t.copy_share = rank, num_ranks, max_tokens, copy_share
+    t.combine_copy_share = copy_share
     t.status = torch.zeros(4, dtype=torch.int32)
     t.device = torch.device("cpu")
     return t
@@ -137,3 +138,10 @@ def test_share_rounding_is_exact_for_decimal_shares():
     assert nvlink._share_of(0.7, 300) == 210  # 0.7 * 300 is 210.00000000000003 in binary
     assert nvlink._share_of(0.7, 301) == 211
     assert nvlink._share_of(1.0, 4096) == 4096 and nvlink._share_of(0.0, 10) == 0
+
+
+@pytest.mark.parametrize("argument,value", [("copy_share", 1.5), ("combine_copy_share", -0.1)])
+def test_shares_outside_0_to_1_are_refused_before_any_setup(argument, value):
+    with pytest.raises(ValueError, match=argument):
+        nvlink.NvlinkTransport(None, torch.device("cpu"), num_sms=1, max_tokens=1, hidden=128, bulk="copy_engine",
+                               **{argument: value})

@@ -122,8 +122,9 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             for r in range(world):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
-        if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most)
+        if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most), all rows or some
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
+            transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(

@@ -454,7 +454,7 @@ class NvlinkLayout:
         copy_plan: with ``bulk="copy_engine"``, made at the first dispatch that uses it (host copy of the
             layout): ``[(peer, [(first token, tokens, first row on the peer), ...]), ...]``, or ``[]`` when
             the runs are too many and the SMs move the rows.
-        splits: per (``"dispatch"``, ``copy_share``) and (``"combine"``, ``copy_share``, ``combine_chunks``),
+        splits: per (``"dispatch"``, ``copy_share``) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``),
             the copies the copy engines make and where the SMs take over (see `NvlinkTransport`).
     """
 
@@ -495,22 +495,26 @@ class NvlinkTransport:
             in the chunks ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the
             last 1.0, at most ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as
             soon as it has landed.
-        copy_share: with ``bulk="copy_engine"``, the share of the rows that the copy engines move: the
-            rows of this rank's first ``ceil(copy_share * num_tokens)`` tokens in a dispatch and the first
-            ``ceil(copy_share * n)`` of the ``n`` rows received from each source in a combine; the SMs
-            push the rest at the same time (both paths then share NVLink; 1.0: copy engines only).
+        copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
+            the rows of this rank's first ``ceil(copy_share * num_tokens)`` tokens; the SMs push the rest at
+            the same time (both paths then share NVLink; 1.0: copy engines only).
+        combine_copy_share: the same for a combine: the copy engines move the first ``ceil(combine_copy_share
+            * n)`` of the ``n`` rows received from each source, the SMs push the rest before the sum starts
+            (on 2 H200s 1.0 was fastest: the SMs are better used summing the chunks as they land).
     """
 
     returns_views = True  # received tensors live in the symmetric buffer: Buffer copies them out
 
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
-                 max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 0.7):
+                 max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 0.7,
+                 combine_copy_share: float = 1.0):
         import torch.distributed._symmetric_memory as symm_mem
 
         if bulk not in BULK_MOVERS:
             raise ValueError(f"bulk must be one of {BULK_MOVERS}, got {bulk!r}")
-        if not 0.0 <= copy_share <= 1.0:
-            raise ValueError(f"copy_share must be in [0, 1], got {copy_share}")
+        for name, share in (("copy_share", copy_share), ("combine_copy_share", combine_copy_share)):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {share}")
 
         if hidden % SCALE_BLOCK:
             raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
@@ -543,7 +547,7 @@ class NvlinkTransport:
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
-        self.bulk, self.copy_share = bulk, copy_share
+        self.bulk, self.copy_share, self.combine_copy_share = bulk, copy_share, combine_copy_share
         self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         if bulk == "copy_engine":
             from .copy_engine import StreamOps  # (that module imports this one)
@@ -625,7 +629,7 @@ class NvlinkTransport:
         return layout.splits[key]
 
     def _combine_split(self, layout: NvlinkLayout):
-        """``(chunks, chunk_ends)`` for ``copy_share`` and ``combine_chunks`` (made once per layout, after a host
+        """``(chunks, chunk_ends)`` for ``combine_copy_share`` and ``combine_chunks`` (made once per layout, after a host
         read of where each source's rows start): ``chunks[c]`` lists the copies ``(source, first row, rows,
         first slot)`` of chunk c, ``chunk_ends`` (int32 device ``[R, len(combine_chunks)]``) where each source's
         chunks end, counted in rows received from it; the SMs push the rows past the last end."""
@@ -634,7 +638,7 @@ class NvlinkTransport:
                 and all(a < b for a, b in zip((0.0,) + fractions, fractions))):
             raise ValueError(f"combine_chunks must be 1 to {MAX_CHUNKS} increasing fractions in (0, 1] ending "
                              f"with 1.0, got {fractions}")
-        key = ("combine", self.copy_share, fractions)
+        key = ("combine", self.combine_copy_share, fractions)
         if key not in layout.splits:
             R = self.num_ranks
             starts = layout.layout[R: 2 * R + 1].tolist()  # where each source's rows start here, then the total
@@ -644,7 +648,7 @@ class NvlinkTransport:
             for source in range(R):
                 if source == self.rank:
                     continue
-                copied = _share_of(self.copy_share, starts[source + 1] - starts[source])
+                copied = _share_of(self.combine_copy_share, starts[source + 1] - starts[source])
                 begin = 0
                 for c, fraction in enumerate(fractions):
                     ends[source, c] = end = _share_of(fraction, copied)
@@ -782,7 +786,7 @@ class NvlinkTransport:
         K = y_weights.size(1) if y_weights is not None else 1
         copies = self.bulk == "copy_engine"
         if copies and torch.cuda.is_current_stream_capturing() and (
-                ("combine", self.copy_share, tuple(self.combine_chunks)) not in layout.splits):
+                ("combine", self.combine_copy_share, tuple(self.combine_chunks)) not in layout.splits):
             raise ValueError("bulk='copy_engine': a combine captured in a CUDA graph needs a layout that an earlier "
                              "combine has used (its copies are planned on the host)")
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
