@@ -530,6 +530,7 @@ class NvlinkTransport:
         self.num_sms = num_sms
         self.tokens_per_step = 4
         self.combine_tokens_per_step = 4
+        self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
@@ -760,7 +761,7 @@ class NvlinkTransport:
             HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
             KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
-            trace_ptr=trace_view, trace_tag=tag, num_warps=16,
+            trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
         )
         if copies:
             torch.cuda.current_stream(self.device).wait_event(copied)
@@ -812,7 +813,7 @@ class NvlinkTransport:
             self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
             VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=self.combine_tokens_per_step,
             HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
-            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=16,
+            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
         )
         if copies:
             torch.cuda.current_stream(self.device).wait_event(copied)

@@ -1,0 +1,101 @@
+"""Tokens per program step of the NVLink transport's kernels (``tokens_per_step`` for the dispatch,
+``combine_tokens_per_step`` for the combine), replayed from CUDA graphs on 2 GPUs, DeepSeek-V3 shape, with the copy
+engines moving the bulk (``bulk="copy_engine"``, dispatch share 0.7, every combine row), and warps per program
+(``num_warps``). Picks the defaults.
+
+    PYTHONPATH=src python3 bench/ep_steps.py --comm-sms 20
+
+Writes bench/results/ep_steps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, run_ranks, time_ms, write_result  # noqa: E402
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    from smsplit.ep.nvlink import NvlinkTransport
+
+    T, H, E, K = 4096, 7168, 256, 8
+    num_local = E // world
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    weights = torch.rand(T, K, generator=g).to(dev)
+    in_rank = torch.stack([((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1) for r in range(world)], 1)
+    worst = world * T
+    tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H, max_topk=K,
+                         bulk="copy_engine")
+    *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
+    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+    tr.combine(y, None, lay)  # plans the combine's copies
+    torch.cuda.synchronize()
+
+    def replayed_us(fn):
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        dist.barrier(device_ids=[rank])
+        ms = time_ms(graph.replay, warmup=3, repeat=args.reps)["median_ms"]
+        t = torch.tensor([ms], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        tr.raise_if_failed()
+        return float(t.item()) * 1e3
+
+    rows = []
+    for P in args.comm_sms:
+        tr.num_sms = P
+        for tb, warps in [(tb, w) for tb in args.steps for w in args.warps]:
+            tr.tokens_per_step = tr.combine_tokens_per_step = tb
+            tr.num_warps = warps
+            row = {"comm_sms": P, "tokens_per_step": tb, "num_warps": warps,
+                   "dispatch_bf16_us": replayed_us(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                                       num_worst_tokens=worst, cached=lay)),
+                   "dispatch_fp8_us": replayed_us(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                                      quantize=True, num_worst_tokens=worst, cached=lay)),
+                   "combine_us": replayed_us(lambda: tr.combine(y, None, lay))}
+            rows.append(row)
+            if rank == 0:
+                print(f"P={P} tokens per step {tb}, {warps} warps: dispatch bf16 {row['dispatch_bf16_us']:.1f} us, fp8 "
+                      f"{row['dispatch_fp8_us']:.1f} us, combine {row['combine_us']:.1f} us", flush=True)
+    if rank == 0:
+        queue.put({"rows": rows})
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--comm-sms", type=int, nargs="+", default=[20])
+    parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--warps", type=int, nargs="+", default=[16])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    res = run_ranks(worker, args.world, args)
+    path = write_result("ep_steps", {"env": environment(), "args": vars(args), **res,
+                                     "notes": "replayed from CUDA graphs; max over ranks of per-rank medians"})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
