@@ -94,10 +94,26 @@ def worker(rank, world, port, args):
         tr.combine_tokens_per_step = default
     if rank == 0:
         print("alone (us):", {k: round(v, 1) for k, v in alone.items()}, flush=True)
-    dist.barrier(device_ids=[rank])
+    run = step
+    if args.graph:  # profile a replay of the step captured in a CUDA graph (no host work between the launches)
+        if args.transport == "copy_engine":
+            raise SystemExit("--graph: the copy_engine transport is not capturable")
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            graph.replay()
+        run = graph.replay
+    together()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
+        run()
         torch.cuda.synchronize()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +122,7 @@ def worker(rank, world, port, args):
     events = [e for e in json.loads(path.read_text())["traceEvents"]
               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     t0 = min(e["ts"] for e in events) if events else 0
-    lines = [f"rank {rank}: {args.transport} chunks={args.chunks} sms={args.sms} fp8={args.fp8}"]
+    lines = [f"rank {rank}: {args.transport} chunks={args.chunks} sms={args.sms} fp8={args.fp8} graph={args.graph}"]
     for e in sorted(events, key=lambda e: e["ts"]):
         lines.append(f"  stream {e.get('tid')!s:>4} start {e['ts'] - t0:8.1f} us dur {e['dur']:7.1f} us  "
                      f"{e['name'][:60]}")
@@ -128,6 +144,7 @@ def main():
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--out", default="/tmp/prof")
     parser.add_argument("--host-profile", action="store_true", help="cProfile 20 dispatch + combine calls")
+    parser.add_argument("--graph", action="store_true", help="profile a CUDA-graph replay of dispatch + combine")
     args = parser.parse_args()
     from smsplit.ep.testing import free_port
 
