@@ -99,6 +99,47 @@ def call_times_ms(fn, warmup: int = 3, repeat: int = 10, inner: int = 1, before=
     return times
 
 
+def join_nccl(rank: int, world: int, port: int) -> torch.device:
+    """Make this spawned process rank ``rank`` of an NCCL group on ``cuda:rank`` (the first step of a `run_ranks`
+    worker); returns its device."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    return dev
+
+
+def routed_tokens(rank: int, world: int, dev, tokens: int = 4096, hidden: int = 7168, experts: int = 256,
+                  topk: int = 8):
+    """One rank's EP benchmark inputs, seeded by its rank: bf16 tokens, uniform random top-k expert ids and
+    weights, and which ranks each token goes to (experts split evenly over the ranks). Returns
+    ``(x, topk_idx, topk_weights, is_token_in_rank, generator)``; the generator draws further inputs."""
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16)
+    topk_idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices.to(dev)
+    topk_weights = torch.rand(tokens, topk, generator=g).to(dev)
+    num_local = experts // world
+    in_rank = torch.stack([((topk_idx >= r * num_local) & (topk_idx < (r + 1) * num_local)).any(1)
+                           for r in range(world)], 1)
+    return x, topk_idx, topk_weights, in_rank, g
+
+
+def capture_graph(fn, dev) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (compiles kernels, plans copies), then captured in a CUDA graph."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def run_ranks(worker, world: int, args):
     """Run ``worker(rank, world, port, args, queue)`` in ``world`` spawned processes (rank r on GPU r) and return
     what rank 0 put on the queue. Raises if a worker fails."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -22,14 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import call_times_ms, environment, run_ranks, write_result
+from common import call_times_ms, environment, join_nccl, run_ranks, write_result
 
 
 def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = join_nccl(rank, world, port)
     import torch.distributed._symmetric_memory as symm_mem
 
     from smsplit.ep.copy_engine import StreamOps

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import concurrent_run, environment, run_ranks, time_ms, write_result  # noqa: E402
+from common import (capture_graph, concurrent_run, environment, join_nccl, routed_tokens, run_ranks,  # noqa: E402
+                    time_ms, write_result)
 
 
 def _max_over_ranks(value: float, dev) -> float:
@@ -37,24 +38,14 @@ def _max_over_ranks(value: float, dev) -> float:
 
 
 def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = join_nccl(rank, world, port)
     from smsplit.budget import SmBudget
     from smsplit.ep.copy_engine import CopyEngineTransport
     from smsplit.ep.nvlink import NvlinkTransport
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     num_local = E // world
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    scores = torch.rand(T, E, generator=g)
-    topk = scores.topk(K, dim=1).indices.to(dev)
-    weights = torch.rand(T, K, generator=g).to(dev)
-    in_rank = torch.zeros(T, world, dtype=torch.bool, device=dev)
-    for r in range(world):
-        in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
+    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
     transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
                                 max_topk=K, timeout_s=60)
     transports = {"nvlink": transport}
@@ -136,16 +127,7 @@ def worker(rank, world, port, args, queue):
     # the nvlink transport replayed from CUDA graphs: the same GPU work with no host work per call (dispatch
     # with its device-side count exchange: uncached)
     def graph_of(fn):
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
+        return capture_graph(fn, dev)
 
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)

@@ -18,25 +18,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import call_times_ms  # noqa: E402
+from common import call_times_ms, capture_graph, join_nccl, routed_tokens  # noqa: E402
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = join_nccl(rank, world, port)
     from smsplit.ep.copy_engine import CopyEngineTransport
     from smsplit.ep.nvlink import NvlinkTransport
 
     T, H, E, K = 4096, 7168, 256, 8
     num_local = E // world
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    in_rank = torch.zeros(T, world, dtype=torch.bool, device=dev)
-    for r in range(world):
-        in_rank[:, r] = ((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1)
+    x, topk, _, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
     worst = world * T
     if args.transport == "copy_engine":
         tr = CopyEngineTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K,
@@ -98,15 +90,7 @@ def worker(rank, world, port, args):
     if args.graph:  # profile a replay of the step captured in a CUDA graph (no host work between the launches)
         if args.transport == "copy_engine":
             raise SystemExit("--graph: the copy_engine transport is not capturable")
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step, dev)
         for _ in range(3):
             graph.replay()
         run = graph.replay

@@ -11,7 +11,6 @@ Writes bench/results/ep_steps.json.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,23 +18,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, run_ranks, time_ms, write_result  # noqa: E402
+from common import capture_graph, environment, join_nccl, routed_tokens, run_ranks, time_ms, write_result  # noqa: E402
 
 
 def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = join_nccl(rank, world, port)
     from smsplit.ep.nvlink import NvlinkTransport
 
     T, H, E, K = 4096, 7168, 256, 8
     num_local = E // world
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    weights = torch.rand(T, K, generator=g).to(dev)
-    in_rank = torch.stack([((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1) for r in range(world)], 1)
+    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
     worst = world * T
     tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H, max_topk=K,
                          bulk="copy_engine")
@@ -45,15 +37,7 @@ def worker(rank, world, port, args, queue):
     torch.cuda.synchronize()
 
     def replayed_us(fn):
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn, dev)
         dist.barrier(device_ids=[rank])
         ms = time_ms(graph.replay, warmup=3, repeat=args.reps)["median_ms"]
         t = torch.tensor([ms], device=dev)

@@ -13,7 +13,6 @@ Writes bench/results/nvlink_link.json.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, run_ranks, time_ms, write_result  # noqa: E402
+from common import environment, join_nccl, run_ranks, time_ms, write_result  # noqa: E402
 
 CONFIGS = {  # name -> sm_copy keyword arguments
     "ldst_b2048_w8": dict(method="ldst", block=2048, num_warps=8),
@@ -33,10 +32,7 @@ CONFIGS = {  # name -> sm_copy keyword arguments
 
 
 def worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = join_nccl(rank, world, port)
     import torch.distributed._symmetric_memory as symm_mem
 
     from smsplit.copy import sm_copy
