@@ -2,6 +2,8 @@
 dispatch/combine match an independent computation from all ranks' inputs (tests/test_ep_nvlink.py's
 oracle), over many rounds with different layouts."""
 
+import re
+
 import pytest
 import torch.multiprocessing as mp
 
@@ -31,8 +33,10 @@ def test_copy_engine_kernels_compile_with_their_ptx():
     for name in ("ld_global_nc_v4", "st_global_na_v4", "st_release_sys", "fence_acq_rel_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
     text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, dict(sig, x_ptr="*bf16", recv_x="*fp8e4nv"),
-                                   dict(consts, QUANTIZE=True, X_BYTES=1), num_warps=8)
+                                   dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512), num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the packing
+    # the e4m3 rows are packed in 16-byte stores (smsplit.ep.nvlink.load_tokens), not one byte at a time
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
     sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "bases_ptr": "*i64", "exit_ptr": "*i32",
            "status_addr": "i64", "fail_ptr": "*i32", "own_buf": "*u8", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",
            "R": "i32", "rank": "i32", "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32",

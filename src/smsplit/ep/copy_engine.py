@@ -14,11 +14,10 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up, token_positions
-from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks, sum_returned_rows
+from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
 from .transport import EPTimeoutError
 
 
@@ -165,23 +164,9 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
         t_end = tl.minimum(T, (c + 1) * chunk_tokens)
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
             t = t0 + tl.arange(0, TB)
-            tmask = t < t_end
-            t64 = t.to(tl.int64)[:, None]
-            if QUANTIZE:
-                g3 = tl.arange(0, GROUPS)[None, :, None]
-                c3 = tl.arange(0, 128)[None, None, :]
-                m3 = tmask[:, None, None] & (g3 < n_groups)
-                xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
-                q, scale = quantize_e4m3_groups(xf, 2)  # smsplit.fp8.quantize_1x128, bit for bit; scale [TB, GROUPS]
-            else:
-                w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
-                if HAS_SCALES:
-                    scale = tl.load(scales_ptr + t64 * n_groups + grp, mask=tmask[:, None] & gmask)
-            if HAS_TOPK:
-                topk = tl.load(topk_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=-1)
-            if HAS_WEIGHTS:
-                weights = tl.load(weights_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=0.0)
-            pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+            w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
+                t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+                X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
             for d in range(R):
                 p = tl.sum(tl.where(cols[None, :] == d, pos, 0), axis=1)
                 ok = (p >= 0)[:, None]
@@ -199,19 +184,12 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
                     k_dst = stopk
                     w_dst = sw
                     i_dst = ssrc
-                if QUANTIZE:
-                    dst_q = x_dst.to(tl.pointer_type(tl.float8e4nv), bitcast=True) + row[:, :, None] * H
-                    tl.store(dst_q + g3 * 128 + c3, q, mask=ok[:, :, None] & (g3 < n_groups))
+                dst = x_dst.to(tl.pointer_type(tl.int32), bitcast=True) + row * (row_bytes // 4)
+                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)  # e4m3 rows too: 16-byte stores
+                if QUANTIZE or HAS_SCALES:
                     tl.store(s_dst + row * n_groups + grp, scale, mask=ok & gmask)
-                else:
-                    dst = x_dst.to(tl.pointer_type(tl.int32), bitcast=True) + row * (row_bytes // 4)
-                    ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)
-                    if HAS_SCALES:
-                        tl.store(s_dst + row * n_groups + grp, scale, mask=ok & gmask)
                 if HAS_TOPK:
-                    local = topk - d * num_local_experts
-                    local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
-                    tl.store(k_dst + row * K + k, local, mask=ok & kmask)
+                    tl.store(k_dst + row * K + k, local_experts(topk, d, num_local_experts), mask=ok & kmask)
                 if HAS_WEIGHTS:
                     tl.store(w_dst + row * K + k, weights, mask=ok & kmask)
                 tl.store(i_dst + row, t[:, None], mask=ok)

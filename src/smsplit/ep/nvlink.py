@@ -201,6 +201,52 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
         tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
 
 
+@triton.jit
+def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+                X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                HAS_WEIGHTS: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr,
+                RP: tl.constexpr, TB: tl.constexpr):
+    """What a dispatch sends of tokens ``t`` (``[TB]``, ``tmask``), shared by both transports: each row as the four
+    int32 words of its 16-byte vectors (``[TB, VEC]`` each, ``X_BYTES`` per element; with QUANTIZE, x is bf16 and is
+    quantized here to e4m3 with one scale per 128 values, bit for bit `smsplit.fp8.quantize_1x128`), the scales
+    ``[TB, GROUPS]``, top-k ids and weights ``[TB, KP]`` and the positions ``pos`` ``[TB, RP]``; what the flags
+    leave out is a placeholder."""
+    t64 = t.to(tl.int64)[:, None]
+    n_groups = H // 128
+    grp = tl.arange(0, GROUPS)[None, :]
+    k = tl.arange(0, KP)[None, :]
+    cols = tl.arange(0, RP)[None, :]
+    scale = tl.zeros((TB, GROUPS), dtype=tl.float32)
+    if QUANTIZE:
+        g3 = tl.arange(0, GROUPS)[None, :, None]
+        c3 = tl.arange(0, 128)[None, None, :]
+        xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < n_groups),
+                     other=0.0).to(tl.float32)
+        q, scale = quantize_e4m3_groups(xf, 2)
+        w0, w1, w2, w3 = e4m3_v4_words(q, TB, GROUPS)  # 16-byte stores to computed addresses
+    else:
+        vec = tl.arange(0, VEC)[None, :]
+        row_words = H * X_BYTES // 4
+        w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * row_words + 4 * vec, tmask[:, None] & (vec < row_words // 4))
+        if HAS_SCALES:
+            scale = tl.load(scales_ptr + t64 * n_groups + grp, mask=tmask[:, None] & (grp < n_groups))
+    topk = tl.full((TB, KP), -1, dtype=tl.int64)
+    if HAS_TOPK:
+        topk = tl.load(topk_ptr + t64 * K + k, mask=tmask[:, None] & (k < K), other=-1)
+    weights = tl.zeros((TB, KP), dtype=tl.float32)
+    if HAS_WEIGHTS:
+        weights = tl.load(weights_ptr + t64 * K + k, mask=tmask[:, None] & (k < K), other=0.0)
+    pos = tl.load(pos_ptr + t64 * R + cols, mask=tmask[:, None] & (cols < R), other=-1)
+    return w0, w1, w2, w3, scale, topk, weights, pos
+
+
+@triton.jit
+def local_experts(topk, d, num_local_experts):
+    """Top-k ids as rank ``d``'s local expert ids, -1 where the expert is elsewhere (or the choice dropped)."""
+    local = topk - d * num_local_experts
+    return tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
+
+
 @triton.jit(do_not_specialize=["sm_from", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
@@ -236,44 +282,22 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     kmask = k < K
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
-        tmask = t < T
-        t64 = t.to(tl.int64)[:, None]
-        if QUANTIZE:
-            g3 = tl.arange(0, GROUPS)[None, :, None]
-            c3 = tl.arange(0, 128)[None, None, :]
-            m3 = tmask[:, None, None] & (g3 < n_groups)
-            xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=m3, other=0.0).to(tl.float32)
-            q, scale = quantize_e4m3_groups(xf, 2)  # smsplit.fp8.quantize_1x128, bit for bit; scale [TB, GROUPS]
-            q0, q1, q2, q3 = e4m3_v4_words(q, TB, GROUPS)  # 16-byte stores to computed addresses
-        else:
-            w0, w1, w2, w3 = ptx.ld_global_nc_v4(x_ptr + t64 * (row_bytes // 4) + 4 * vec, tmask[:, None] & vmask)
-            if HAS_SCALES:
-                scale = tl.load(scales_ptr + t64 * n_groups + grp, mask=tmask[:, None] & gmask)
-        if HAS_TOPK:
-            topk = tl.load(topk_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=-1)
-        if HAS_WEIGHTS:
-            weights = tl.load(weights_ptr + t64 * K + k, mask=tmask[:, None] & kmask, other=0.0)
-        pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
+        w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
+            t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+            X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
         for d in range(R):
             p = _column(pos, cols, d)
             ok = (p >= 0)[:, None]
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
             dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-            if QUANTIZE:
-                ptx.st_global_na_v4(dst + 4 * vec, q0, q1, q2, q3, ok & vmask)
+            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & ((d == rank) | (t >= sm_from)[:, None]) & vmask)
+            if QUANTIZE or HAS_SCALES:
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_s + grp, scale, mask=ok & gmask)
-            else:
-                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & ((d == rank) | (t >= sm_from)[:, None]) & vmask)
-                if HAS_SCALES:
-                    dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                    tl.store(dst_s + grp, scale, mask=ok & gmask)
             if HAS_TOPK:
-                local = topk - d * num_local_experts
-                local = tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
                 dst_k = (base + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
-                tl.store(dst_k + k, local, mask=ok & kmask)
+                tl.store(dst_k + k, local_experts(topk, d, num_local_experts), mask=ok & kmask)
             if HAS_WEIGHTS:
                 dst_w = (base + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_w + k, weights, mask=ok & kmask)
