@@ -145,3 +145,36 @@ def test_shares_outside_0_to_1_are_refused_before_any_setup(argument, value):
     with pytest.raises(ValueError, match=argument):
         nvlink.NvlinkTransport(None, torch.device("cpu"), num_sms=1, max_tokens=1, hidden=128, bulk="copy_engine",
                                **{argument: value})
+
+
+@pytest.mark.parametrize("num_ranks,rank,chunks", [(2, 0, 4), (2, 1, 1), (4, 3, 3), (8, 2, 5)])
+def test_fp8_staging_chunks_cover_each_peers_rows_in_order(num_ranks, rank, chunks):
+    rng = random.Random(num_ranks * 100 + rank)
+    T = 57
+    in_rank = torch.tensor([[rng.random() < 0.6 for _ in range(num_ranks)] for _ in range(T)])
+    send_start = [rng.randrange(0, 100) for _ in range(num_ranks)]
+    tr = transport(rank, num_ranks, max_tokens=200)
+    tr.stage_chunks = chunks
+    plan = tr._stage_split(layout(T, num_ranks, send_start=send_start), in_rank)
+    assert [(a, b) for a, b, _ in plan] == [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
+    for peer in range(num_ranks):
+        rows = [(first, n) for _, _, copies in plan for p, first, n in copies if p == peer]
+        if peer == rank:
+            assert rows == []  # this rank's own rows are written in place, never staged
+            continue
+        for a, b, copies in plan:  # a chunk's rows on the peer: those of its tokens, after the earlier tokens'
+            mine = [(first, n) for p, first, n in copies if p == peer]
+            n = int(in_rank[a:b, peer].sum())
+            assert mine == ([(send_start[peer] + int(in_rank[:a, peer].sum()), n)] if n else [])
+        assert sum(n for _, n in rows) == int(in_rank[:, peer].sum())
+
+
+def test_fp8_staging_refuses_a_bad_chunk_count_and_rows_past_the_area():
+    in_rank = torch.ones(10, 2, dtype=torch.bool)
+    tr = transport(0, 2, max_tokens=10)
+    tr.stage_chunks = 0
+    with pytest.raises(ValueError, match="stage_chunks"):
+        tr._stage_split(layout(10, 2, send_start=[0, 0]), in_rank)
+    tr.stage_chunks = 2
+    with pytest.raises(EPError, match="past the end"):
+        tr._stage_split(layout(10, 2, send_start=[0, 15]), in_rank)

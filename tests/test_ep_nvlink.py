@@ -20,12 +20,12 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
             "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "off_copied": "i64", "sm_from": "i32", "timeout_ns": "i64", "X_BYTES": "constexpr",
-            "QUANTIZE": "constexpr",
-            "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
+            "sig_off": "i64", "off_copied": "i64", "sm_from": "i32", "timeout_ns": "i64", "off_stage": "i64",
+            "t_begin": "i32", "t_end": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
+            "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
-    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False,
+    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
               "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
               "TRACE": False}
     aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
@@ -42,6 +42,13 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
                                    num_warps=16, aligned=aligned)
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > 1
+    # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
+    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True)
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
+    assert ptx.INSTRUCTIONS["atom_add_release_sys"] not in text
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, fp8, num_warps=16, aligned=aligned)
+    assert ptx.INSTRUCTIONS["wait_geq_sys"] in text and ptx.INSTRUCTIONS["atom_add_release_sys"] in text
     sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
            "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
            "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
@@ -125,6 +132,7 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most), all rows or some
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
             transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]
+            transport.stage_chunks = (4, 1, 7)[case % 3]  # FP8 made in the kernel: staged in this many launches
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
@@ -342,28 +350,34 @@ def _graph_worker(rank, world, port, bulk="sm"):
         rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst,
                                                          cached=cached)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
+        rx = rx.clone()  # (the FP8 dispatch below reuses the receive area)
         out, out_w = transport.combine(y, rw, layout)
-        return rx, rk, rw, rsrc, layout, out, out_w
+        # the same tokens quantized in the dispatch (bulk="copy_engine": staged, then copied in chunks)
+        qx, qs, *_ = transport.dispatch(x, None, topk, w, in_rank, num_local, quantize=True, num_worst_tokens=worst,
+                                        cached=layout)
+        return rx, rk, rw, rsrc, layout, out, out_w, qx.clone(), qs.clone()
 
     fill(0)
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
-        *_, warm_layout, _, _ = step()
+        *_, warm_layout, _, _, _, _ = step()
     if bulk == "copy_engine":
         cached = warm_layout
-        assert cached.copy_plan and any(key[0] == "combine" for key in cached.splits)  # the copy engines move rows
+        assert cached.copy_plan and {"combine", "stage"} <= {key[0] for key in cached.splits}  # copy engines move rows
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rx, rk, rw, rsrc, layout, out, out_w = step()
+        rx, rk, rw, rsrc, layout, out, out_w, qx, qs = step()
     for round_ in range(1, 4):
         fill(round_)
         torch.cuda.synchronize()
         dist.barrier(device_ids=[rank])
-        out.fill_(float("nan"))  # poison what the replay must overwrite
+        for t in (out, qs):  # poison what the replay must overwrite
+            t.fill_(float("nan"))
+        qx.view(torch.uint8).fill_(0x7F)
         graph.replay()
         torch.cuda.synchronize()
         transport.raise_if_failed()
@@ -375,6 +389,8 @@ def _graph_worker(rank, world, port, bulk="sm"):
         assert int(layout.num_recv_tokens.item()) == n
         assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
         assert torch.equal(rsrc[:n], esrc)
+        ref_q, ref_s = quantize_1x128(ex)
+        assert torch.equal(qx[:n].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs[:n], ref_s)
         acc = torch.zeros(T, H, device=dev)
         acc_w = torch.zeros(T, K, device=dev)
         for d in range(world):

@@ -247,12 +247,13 @@ def local_experts(topk, d, num_local_experts):
     return tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
 
 
-@triton.jit(do_not_specialize=["sm_from", "trace_tag"])  # per-call values must not recompile
+@triton.jit(do_not_specialize=["sm_from", "t_begin", "t_end", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
                     off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, sm_from, timeout_ns,
+                    off_stage, t_begin, t_end,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
-                    WAIT_COPIES: tl.constexpr,
+                    WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
@@ -261,7 +262,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
     The kernel stores the rows of x of tokens ``t < sm_from`` for this rank only (copy engines move them
     to peers; 0 with QUANTIZE). WAIT_COPIES: also wait until every peer's copy stream has raised its
-    copy-done flag here (``copied[peer]``) once more than seen so far."""
+    copy-done flag here (``copied[peer]``) once more than seen so far.
+
+    A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
+    this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
+    to the peer). SYNC: after its tokens the launch signals every destination, waits for every source (and, with
+    WAIT_COPIES, the copy-done flags), writes the padding rows and ends the phase; a dispatch in several launches
+    makes only its last one SYNC, and a launch before it may be followed by copies of the rows it staged."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
@@ -280,10 +287,10 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     gmask = grp < n_groups
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
-    for t0 in range(pid * TB, T, programs * TB):
+    for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-            t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+            t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
             X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
         for d in range(R):
             p = _column(pos, cols, d)
@@ -291,6 +298,9 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
             dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
+            if STAGE:  # a peer's row to this rank's staging area, same row
+                staged = (_pick(dest_base, cols, rank) + off_stage + row * row_bytes).to(tl.pointer_type(tl.int32))
+                dst = tl.where(d != rank, staged, dst)
             ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & ((d == rank) | (t >= sm_from)[:, None]) & vmask)
             if QUANTIZE or HAS_SCALES:
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
@@ -303,36 +313,37 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, weights, mask=ok & kmask)
             dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, t[:, None], mask=ok)
-    _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
-    own = tl.load(bases_ptr + rank)
-    _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
-                    timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
-    copies_seen = -1
-    if WAIT_COPIES:
-        copies_seen = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
-        _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
+    if SYNC:
+        _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
+        own = tl.load(bases_ptr + rank)
+        _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                         timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
-    if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
-        total = tl.load(layout_ptr + 2 * R)
-        for r0 in range(total + pid * TB, num_worst, programs * TB):
-            r = r0 + tl.arange(0, TB)
-            ok = (r < num_worst)[:, None]
-            row = r.to(tl.int64)[:, None]
-            zero = tl.zeros((TB, VEC), dtype=tl.int32)
-            dst = (own + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-            ptx.st_global_na_v4(dst + 4 * vec, zero, zero, zero, zero, ok & vmask)
-            if QUANTIZE or HAS_SCALES:
-                dst_s = (own + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                tl.store(dst_s + grp, tl.zeros((TB, GROUPS), dtype=tl.float32), mask=ok & gmask)
-            if HAS_TOPK:
-                dst_k = (own + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
-                tl.store(dst_k + k, tl.full((TB, KP), -1, dtype=tl.int64), mask=ok & kmask)
-            if HAS_WEIGHTS:
-                dst_w = (own + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
-                tl.store(dst_w + k, tl.zeros((TB, KP), dtype=tl.float32), mask=ok & kmask)
-            dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
-            tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
-    _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD)
+        copies_seen = -1
+        if WAIT_COPIES:
+            copies_seen = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
+            _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
+                            timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+        if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
+            total = tl.load(layout_ptr + 2 * R)
+            for r0 in range(total + pid * TB, num_worst, programs * TB):
+                r = r0 + tl.arange(0, TB)
+                ok = (r < num_worst)[:, None]
+                row = r.to(tl.int64)[:, None]
+                zero = tl.zeros((TB, VEC), dtype=tl.int32)
+                dst = (own + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
+                ptx.st_global_na_v4(dst + 4 * vec, zero, zero, zero, zero, ok & vmask)
+                if QUANTIZE or HAS_SCALES:
+                    dst_s = (own + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(dst_s + grp, tl.zeros((TB, GROUPS), dtype=tl.float32), mask=ok & gmask)
+                if HAS_TOPK:
+                    dst_k = (own + off_topk + row * K * 8).to(tl.pointer_type(tl.int64))
+                    tl.store(dst_k + k, tl.full((TB, KP), -1, dtype=tl.int64), mask=ok & kmask)
+                if HAS_WEIGHTS:
+                    dst_w = (own + off_weights + row * K * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(dst_w + k, tl.zeros((TB, KP), dtype=tl.float32), mask=ok & kmask)
+                dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
+                tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
+        _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
@@ -512,7 +523,9 @@ class NvlinkTransport:
             engines copy each run of consecutive tokens straight from ``x`` into a peer's receive area,
             and each run of received rows from ``y`` back into its source's combine area; the kernels
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
-            peers' copy-done flags). With ``"copy_engine"`` the first dispatch and the first combine of a
+            peers' copy-done flags; an FP8 dispatch that quantizes here stages the peers' rows in this rank's
+            combine area over ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
+            With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
             be captured in a CUDA graph), and a dispatch layout with more than ``MAX_COPY_RUNS`` runs for
             some peer is moved by the SMs. A combine's rows go back to each source as one block, copied
@@ -556,6 +569,7 @@ class NvlinkTransport:
         self.combine_tokens_per_step = 4
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
+        self.stage_chunks = 4
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -690,24 +704,60 @@ class NvlinkTransport:
         the copy flags of each of ``peers`` (a copy on the same stream starts when the data is in). Returns the
         event the current stream must wait for (after its kernel), so that the sources stay unchanged until
         read. Capturable in a CUDA graph (plain copies then)."""
+        self._copy_start(counter)
+        for copies, flag, peers in steps:
+            self._copy_step(copies, flag, peers)
+        return self._copy_done()
+
+    def _copy_start(self, counter: int) -> None:
+        """Start a `_copy`: the copy stream waits for the current stream and bumps counter ``counter``."""
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
-        value = self.copies_done[counter:counter + 1]
+        self._counter = self.copies_done[counter:counter + 1]
         with torch.cuda.stream(cs):
-            bump_kernel[(1,)](value, num_warps=1)
-        capturing = torch.cuda.is_current_stream_capturing()
-        for copies, flag, peers in steps:
-            if capturing:
-                for dst, src, nbytes in copies:
-                    self.ops.memcpy(cs, dst, src, nbytes)
-            else:
-                self.ops.memcpy_batch(cs, copies)
-            for peer in peers:
-                self.ops.memcpy(cs, self.base_addrs[peer] + self.offsets["copied"] + 4 * (flag * self.num_ranks + self.rank),
-                                value.data_ptr(), 4)
+            bump_kernel[(1,)](self._counter, num_warps=1)
+
+    def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
+        """One step of a `_copy` (after ``after``, an event of the current stream, when given)."""
+        cs = self.copy_stream
+        if after is not None:
+            cs.wait_event(after)
+        if torch.cuda.is_current_stream_capturing():
+            for dst, src, nbytes in copies:
+                self.ops.memcpy(cs, dst, src, nbytes)
+        else:
+            self.ops.memcpy_batch(cs, copies)
+        for peer in peers:
+            self.ops.memcpy(cs, self.base_addrs[peer] + self.offsets["copied"] + 4 * (flag * self.num_ranks + self.rank),
+                            self._counter.data_ptr(), 4)
+
+    def _copy_done(self) -> torch.cuda.Event:
         done = torch.cuda.Event()
-        done.record(cs)
+        done.record(self.copy_stream)
         return done
+
+    def _stage_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
+        """For an FP8 dispatch that stages the peers' rows (``bulk="copy_engine"``, quantized in the kernel):
+        ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, ``stage_chunks`` ranges of this
+        rank's tokens and, per peer, the rows on that peer their tokens fill (consecutive: a staged row keeps
+        its row number). Made once per layout (a host read of the layout and of ``is_token_in_rank``)."""
+        if self.stage_chunks < 1:
+            raise ValueError(f"stage_chunks must be >= 1, got {self.stage_chunks}")
+        key = ("stage", self.stage_chunks)
+        if key not in layout.splits:
+            R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
+            send_start = layout.layout[:R].tolist()
+            self.raise_if_failed()
+            in_rank = is_token_in_rank.cpu().numpy().astype(np.int64)
+            before = np.concatenate([np.zeros((1, R), np.int64), np.cumsum(in_rank, 0)])  # rows sent before token t
+            for peer in range(R):
+                if not 0 <= send_start[peer] + before[T, peer] <= R * self.max_tokens:
+                    raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {peer}'s receive area")
+            bounds = [c * T // C for c in range(C + 1)]
+            layout.splits[key] = [(a, b, [(peer, int(send_start[peer] + before[a, peer]), int(before[b, peer] - before[a, peer]))
+                                          for peer in range(R) if peer != self.rank and before[b, peer] > before[a, peer]])
+                                  for a, b in zip(bounds, bounds[1:])]
+        return layout.splits[key]
 
     # -- dispatch / combine ---------------------------------------------------------------------------
 
@@ -736,9 +786,10 @@ class NvlinkTransport:
                 raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
-        copies = self.bulk == "copy_engine" and not quantize
-        if copies and torch.cuda.is_current_stream_capturing() and (
-                cached is None or ("dispatch", self.copy_share) not in cached.splits):
+        copies = self.bulk == "copy_engine"
+        staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
+        key = ("stage", self.stage_chunks) if staged else ("dispatch", self.copy_share)
+        if copies and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
             raise ValueError("bulk='copy_engine': a dispatch captured in a CUDA graph needs a cached layout that an "
                              "earlier dispatch has used (its copies are planned on the host)")
         torch.autograd.graph.increment_version(self.buffer)
@@ -762,31 +813,52 @@ class NvlinkTransport:
             rows = int(layout[2 * R].item())
             self.raise_if_failed()
         result = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
-        sm_from = 0
-        if copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
-            runs, sm_from = self._dispatch_split(result, is_token_in_rank)
-            row_bytes = H * x_bytes
-            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
-                                    x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0,
-                                  [peer for peer in range(R) if peer != self.rank])], 0)  # every peer waits for it
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
-        if trace is not None:
-            trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
+
+        def launch(t_begin, t_end, sync, sm_from=0):
+            if trace is not None:
+                trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
+            else:
+                trace_view, tag = layout, 0
+            dispatch_kernel[(self.num_sms,)](
+                x_words, scales if scales is not None else dummy, topk_idx if topk_idx is not None else dummy,
+                topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state,
+                self._status_addr(), T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
+                self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
+                self.offsets["src"], self.offsets["signals"], self.offsets["copied"], sm_from, self.timeout_ns,
+                self.offsets["cx"], t_begin, t_end,
+                X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
+                STAGE=staged, SYNC=sync, HAS_TOPK=topk_idx is not None,
+                HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
+                KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
+                trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
+            )
+
+        row_bytes = H * x_bytes
+        peers = [peer for peer in range(R) if peer != self.rank]
+        if staged:  # launches over ranges of tokens, each followed by a copy of the rows it staged (the combine
+            # area is the staging area: nothing else uses it during a dispatch), then one that signals and waits
+            chunks = self._stage_split(result, is_token_in_rank)
+            self._copy_start(0)
+            for c, (t_begin, t_end, rows) in enumerate(chunks):
+                launch(t_begin, t_end, sync=False)
+                staged_event = torch.cuda.Event()
+                staged_event.record(torch.cuda.current_stream(self.device))
+                last = c == len(chunks) - 1
+                self._copy_step([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
+                                  self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
+                                 for peer, row, n in rows], 0, peers if last else [], after=staged_event)
+            copied = self._copy_done()
+            launch(T, T, sync=True)
+        elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
+            runs, sm_from = self._dispatch_split(result, is_token_in_rank)
+            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
+                                    x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0,
+                                  peers)], 0)  # every peer waits for it
+            launch(0, T, sync=True, sm_from=sm_from)
         else:
-            trace_view, tag = layout, 0
-        dispatch_kernel[(self.num_sms,)](
-            x_words, scales if scales is not None else dummy, topk_idx if topk_idx is not None else dummy,
-            topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state, self._status_addr(),
-            T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
-            self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
-            self.offsets["src"], self.offsets["signals"], self.offsets["copied"], sm_from, self.timeout_ns,
-            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
-            HAS_TOPK=topk_idx is not None,
-            HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
-            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
-            trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
-        )
+            launch(0, T, sync=True)
         if copies:
             torch.cuda.current_stream(self.device).wait_event(copied)
         n_groups = H // SCALE_BLOCK
