@@ -13,8 +13,10 @@ stream, both device-only (no host synchronization when the receive size is fixed
    index into every destination's receive area with 16-byte stores. Then it signals each destination
    with a release add and waits until every program of every source has signalled it.
 
-A combine pushes each received row back into its source's combine area (one slot per token and
-expert rank), signals, waits, and sums the slots of each token in fp32.
+A combine pushes each received row back into its source's combine area (one slot per expert rank and
+position among the rows that rank received from the source, so each source's rows go back as one block),
+signals, waits, and sums the slots of each token in fp32 (with ``bulk="copy_engine"`` the copy engines move
+the blocks in chunks and the sum starts on a chunk as soon as it has landed).
 
 Waits are bounded: a wait that passes ``timeout_s`` records (phase, peer, counts) in a pinned host
 word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank, peer and phase.
