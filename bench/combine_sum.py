@@ -7,7 +7,8 @@ move) on the same number of programs; one GPU.
 
 Shapes: ``rows`` (whole rows per step, [TB, pow2(H)] tiles: the combine kernel's shape), ``blocks`` ([TB, BH] tiles,
 one work item per (token block, column block)), with the work loop software-pipelined by Triton (``stages``) or by
-hand (``prefetch``: the next item's loads issue before this item's sum is stored). Writes
+hand (``prefetch``: the next item's loads issue before this item's sum is stored), ``tma`` (each row one TMA load,
+pipelined by Triton; added after the 22:15 run, not yet run). Writes
 bench/results/combine_sum.json.
 """
 
@@ -68,12 +69,25 @@ def sum_blocks_kernel(pos_ptr, y_ptr, cx_ptr, out_ptr, T, H, self_start, TB: tl.
             tl.store(out_ptr + t[:, None] * H + h, (a.to(tl.float32) + b.to(tl.float32)).to(tl.bfloat16), mask=ok)
 
 
+@triton.jit
+def sum_tma_kernel(pos_ptr, y_desc, cx_desc, out_desc, T, self_start, STAGES: tl.constexpr):
+    """One token per step, each row one TMA load (descriptor block ``[1, pow2(H)]``: the part past H is zero-filled
+    on load and dropped on store), software-pipelined by Triton with ``STAGES`` shared-memory buffers."""
+    for t in tl.range(tl.program_id(0), T, tl.num_programs(0), num_stages=STAGES):
+        p0 = tl.load(pos_ptr + t * 2)
+        p1 = tl.load(pos_ptr + t * 2 + 1)
+        a = y_desc.load([self_start + p0, 0]).to(tl.float32)
+        b = cx_desc.load([p1, 0]).to(tl.float32)
+        out_desc.store([t, 0], (a + b).to(tl.bfloat16))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--programs", type=int, nargs="+", default=[20])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--kinds", nargs="+", default=["rows", "blocks", "tma"], choices=["rows", "blocks", "tma"])
     args = parser.parse_args()
     from smsplit.copy import sm_copy
 
@@ -94,6 +108,15 @@ def main():
                for tb, bh in ((8, 1024), (16, 512), (4, 2048)) for s in (1, 3) for w in (8, 16)]
     shapes += [("blocks", dict(TB=tb, BH=bh, STAGES=1, PREFETCH=True), w)
                for tb, bh in ((8, 1024), (16, 1024), (16, 512), (32, 512)) for w in (8, 16)]
+    shapes += [("tma", dict(STAGES=s), w) for s in (2, 3, 4) for w in (4, 8)]
+    shapes = [shape for shape in shapes if shape[0] in args.kinds]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HB = triton.next_power_of_2(H)
+
+    def row_desc(t):  # one row per box; the box's part past H lies outside the tensor
+        return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, HB])
+
     rows = []
     for P in args.programs:
         copy_src = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
@@ -104,9 +127,12 @@ def main():
             if kind == "rows":
                 def run():
                     sum_rows_kernel[(P,)](pos, y, cx, out, T, H, self_start, HB=triton.next_power_of_2(H), num_warps=warps, **kw)
-            else:
+            elif kind == "blocks":
                 def run():
                     sum_blocks_kernel[(P,)](pos, y, cx, out, T, H, self_start, num_warps=warps, **kw)
+            else:
+                def run():
+                    sum_tma_kernel[(P,)](pos, row_desc(y), row_desc(cx), row_desc(out), T, self_start, num_warps=warps, **kw)
             try:
                 out.fill_(float("nan"))
                 run()

@@ -17,7 +17,7 @@ from smsplit import ptx
 from smsplit.trace import record_block
 
 from .layout import align_up, token_positions
-from .nvlink import ALIGN, SCALE_BLOCK, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
+from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
 from .transport import EPTimeoutError
 
 
@@ -168,7 +168,7 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
                 t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
                 X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
             for d in range(R):
-                p = tl.sum(tl.where(cols[None, :] == d, pos, 0), axis=1)
+                p = _column(pos, cols, d)
                 ok = (p >= 0)[:, None]
                 if d == rank:
                     row = self_start + p.to(tl.int64)[:, None]
