@@ -843,14 +843,14 @@ class NvlinkTransport:
             # area is the staging area: nothing else uses it during a dispatch), then one that signals and waits
             chunks = self._stage_split(result, is_token_in_rank)
             self._copy_start(0)
-            for c, (t_begin, t_end, rows) in enumerate(chunks):
+            for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
                 launch(t_begin, t_end, sync=False)
                 staged_event = torch.cuda.Event()
                 staged_event.record(torch.cuda.current_stream(self.device))
                 last = c == len(chunks) - 1
                 self._copy_step([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
                                   self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
-                                 for peer, row, n in rows], 0, peers if last else [], after=staged_event)
+                                 for peer, row, n in staged_rows], 0, peers if last else [], after=staged_event)
             copied = self._copy_done()
             launch(T, T, sync=True)
         elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
