@@ -31,6 +31,29 @@ from common import (capture_graph, concurrent_run, environment, join_nccl, route
                     time_ms, write_result)
 
 
+def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) -> dict:
+    """Poison the receive and combine areas, dispatch x and combine the received rows unchanged: each token must
+    come back times the number of ranks it went to, exactly (BF16; FP8: its e4m3 rows dequantized to BF16, per
+    ``smsplit.fp8.quantize_1x128``). Checks placement and return for any order of the received rows."""
+    from smsplit.fp8 import quantize_1x128
+
+    times = in_rank.sum(1, keepdim=True).float()
+    q, s = quantize_1x128(x)
+    deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
+    result = {}
+    for name, quantize, source in (("bf16", False, x), ("fp8", True, deq)):
+        tr.buffer[tr.offsets["x"]:].fill_(0x7F)
+        rx, rs, *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=quantize,
+                                      num_worst_tokens=worst, cached=cached)
+        if quantize:
+            rx = (rx.float().view(rx.size(0), -1, 128) * rs[:, :, None]).view(rx.size(0), -1).to(torch.bfloat16)
+        out, _ = tr.combine(rx.contiguous(), None, lay)
+        torch.cuda.synchronize()
+        tr.raise_if_failed()
+        result[name] = bool(torch.equal(out, (source.float() * times).to(torch.bfloat16)))
+    return result
+
+
 def _max_over_ranks(value: float, dev) -> float:
     t = torch.tensor([value], device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -92,7 +115,11 @@ def worker(rank, world, port, args, queue):
     if "nvlink_copy_engine" in transports:
         *_, layouts["nvlink_copy_engine"] = transports["nvlink_copy_engine"].dispatch(
             x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
-        res["nvlink_copy_engine_runs"] = [len(runs) for _, runs in layouts["nvlink_copy_engine"].copy_plan]
+        tr_ce = transports["nvlink_copy_engine"]
+        split = layouts["nvlink_copy_engine"].splits[("dispatch", tr_ce.copy_share)]
+        # per peer: rows in its one copy, and the holes in them (tokens not sent there, filled after the copy)
+        res["nvlink_copy_engine_copies"] = [
+            {"peer": d, "rows": m, "holes": int(m - in_rank[:m, d].sum())} for d, m, _ in split.copies]
     if "copy_engine" in transports:
         layouts["copy_engine"] = transports["copy_engine"].layout(in_rank, worst)
     for name, P in [(n, P) for n in args.transports for P in args.comm_sms]:
@@ -152,6 +179,8 @@ def worker(rank, world, port, args, queue):
         }
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
                "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks}
+        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
+        row["roundtrip_equal"] = {k: bool(_max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
         torch.cuda.synchronize()
@@ -160,8 +189,8 @@ def worker(rank, world, port, args, queue):
         del graphs
         if rank == 0:
             print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
-                  f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us",
-                  flush=True)
+                  f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
+                  f"round trip equal: {row['roundtrip_equal']}", flush=True)
 
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share

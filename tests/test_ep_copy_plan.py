@@ -1,7 +1,10 @@
-"""The host side of NvlinkTransport(bulk="copy_engine"), on a CPU: which runs of rows the copy engines move, for
-2 to 8 ranks, against loops over the tokens (the GPU tests check the bytes on 2 H200s)."""
+"""The host side of NvlinkTransport(bulk="copy_engine"), on a CPU: which rows the copy engines move and where
+each token's row lands, for 2 to 8 ranks, against loops over the tokens (the GPU tests check the bytes on 2 H200s)."""
 
+import math
 import random
+
+import numpy as np
 
 import pytest
 import torch
@@ -30,69 +33,79 @@ def layout(num_tokens, num_ranks, send_start=None, recv_start=None):
     return nvlink.NvlinkLayout(pos=torch.empty(0), layout=words, num_tokens=num_tokens, num_recv_rows=0)
 
 
-def runs_by_loop(flags):
-    """[(first, length)] of the maximal runs of True in a list."""
-    runs, t = [], 0
-    while t < len(flags):
-        if flags[t]:
-            first = t
-            while t < len(flags) and flags[t]:
-                t += 1
-            runs.append((first, t - first))
+def prefix_rows_by_loop(flags, share):
+    """(m, {token: row}) of `_prefix_plan`, token by token: rows 0..m-1 of x are copied, a token before m that is
+    not sent is a hole, filled by the first tokens after m that are sent; the rest from row m in token order."""
+    sent = [t for t, f in enumerate(flags) if f]
+    m = math.ceil(round(share * len(sent), 6))
+    holes = [t for t in range(m) if not flags[t]]
+    if len(holes) > m / 8:
+        m, holes = 0, []
+    rows, after = {}, m
+    for t in sent:
+        if t < m:
+            rows[t] = t
+        elif holes:
+            rows[t] = holes.pop(0)
         else:
-            t += 1
-    return runs
+            rows[t], after = after, after + 1
+    return m, rows
+
+
+@pytest.mark.parametrize("density", [0.0, 0.5, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("share", [1.0, 0.7, 0.3, 0.0])
+def test_prefix_plan_matches_a_loop_and_gives_each_sent_token_one_row(density, share):
+    rng = random.Random(int(density * 100) + int(share * 10))
+    for T in (0, 1, 7, 200):
+        flags = [rng.random() < density for _ in range(T)]
+        m, pos = nvlink._prefix_plan(np.array(flags, dtype=bool), share)
+        want_m, rows = prefix_rows_by_loop(flags, share)
+        assert m == want_m
+        assert pos.tolist() == [rows.get(t, -1) for t in range(T)]
+        assert sorted(rows.values()) == list(range(sum(flags)))  # one row per token sent, none past the count
+
+
+def test_prefix_with_too_many_holes_leaves_the_rows_to_the_sms_in_token_order():
+    flags = np.array([t % 2 == 0 for t in range(100)])  # every other token: a copied prefix is half holes
+    m, pos = nvlink._prefix_plan(flags, 1.0)
+    assert m == 0 and pos.tolist() == [t // 2 if t % 2 == 0 else -1 for t in range(100)]
+    flags = np.ones(100, dtype=bool)
+    flags[[3, 50, 99]] = False  # 2 holes in the 97 copied rows: filled by tokens 97 and 98
+    m, pos = nvlink._prefix_plan(flags, 1.0)
+    assert m == 97 and pos[97] == 3 and pos[98] == 50 and pos[96] == 96
 
 
 @pytest.mark.parametrize("num_ranks,rank", [(2, 0), (2, 1), (4, 2), (8, 5)])
-def test_dispatch_runs_and_rows(num_ranks, rank):
+def test_dispatch_split_per_peer(num_ranks, rank):
     rng = random.Random(num_ranks * 10 + rank)
     T = 60
-    in_rank = torch.tensor([[rng.random() < 0.7 for _ in range(num_ranks)] for _ in range(T)])
+    in_rank = torch.tensor([[rng.random() < (0.95 if (d + rank) % 2 else 0.6) for d in range(num_ranks)] for _ in range(T)])
     send_start = [rng.randrange(0, 100) for _ in range(num_ranks)]
-    tr = transport(rank, num_ranks, max_tokens=200)
-    lay = layout(T, num_ranks, send_start=send_start)
-    plan = tr._copy_plan(lay, in_rank)
-    assert [peer for peer, _ in plan] == [d for d in range(num_ranks) if d != rank]
-    for peer, runs in plan:
-        expected, row = [], send_start[peer]
-        for first, n in runs_by_loop(in_rank[:, peer].tolist()):
-            expected.append((first, n, row))
-            row += n
-        assert runs == expected
-    # the copy engines take the tokens before ceil(share * T); the SMs the rest
-    for share in (1.0, 0.7, 0.5, 0.0):
-        tr.copy_share = share
-        copies, sm_from = tr._dispatch_split(lay, in_rank)
-        assert sm_from == -(-T * round(share * 10) // 10)
-        for peer in range(num_ranks):
-            if peer == rank:
+    for share in (1.0, 0.7, 0.0):
+        tr = transport(rank, num_ranks, max_tokens=200, copy_share=share)
+        split = tr._dispatch_split(layout(T, num_ranks, send_start=send_start), in_rank)
+        copies, fill_from = [], T
+        for d in range(num_ranks):
+            flags = in_rank[:, d].tolist()
+            if d == rank:  # own rows: the SMs, token order
+                assert split.copied[d] == 0
+                assert split.pos[:, d].tolist() == [sum(flags[:t]) if flags[t] else -1 for t in range(T)]
                 continue
-            moved = [t for p, first, n, _ in copies if p == peer for t in range(first, first + n)]
-            assert moved == [t for t in range(sm_from) if in_rank[t, peer]]
-            for p, first, n, row in copies:  # a truncated run keeps its rows
-                if p == peer:
-                    assert row == send_start[peer] + int(in_rank[:first, peer].sum())
-
-
-def test_too_many_runs_leave_the_rows_to_the_sms():
-    T = 2 * (nvlink.MAX_COPY_RUNS + 1)
-    in_rank = torch.zeros(T, 2, dtype=torch.bool)
-    in_rank[:, 0] = True
-    in_rank[::2, 1] = True  # MAX_COPY_RUNS + 1 runs of one token to rank 1
-    tr = transport(0, 2, max_tokens=T)
-    lay = layout(T, 2, send_start=[0, 0])
-    assert tr._copy_plan(lay, in_rank) == []
-    assert tr._dispatch_split(lay, in_rank) == ([], 0)
-    in_rank[-2:, 1] = False  # one run fewer: the copy engines take them
-    assert len(tr._copy_plan(layout(T, 2, send_start=[0, 0]), in_rank)[0][1]) == nvlink.MAX_COPY_RUNS
+            m, rows = prefix_rows_by_loop(flags, share)
+            assert split.copied[d] == m and split.pos[:, d].tolist() == [rows.get(t, -1) for t in range(T)]
+            if m:
+                copies.append((d, m, send_start[d]))
+                if not all(flags[:m]):
+                    fill_from = min(fill_from, m)
+        assert split.copies == copies and split.fill_from == fill_from
+        assert any(m for _, m, _ in copies) == (share > 0)  # the dense peers' prefixes are copied
 
 
 def test_a_layout_past_the_receive_area_is_refused():
     in_rank = torch.ones(10, 2, dtype=torch.bool)
     tr = transport(0, 2, max_tokens=10)
     with pytest.raises(EPError, match="past the end"):
-        tr._copy_plan(layout(10, 2, send_start=[0, 15]), in_rank)  # rows 15..24 of a 20-row area
+        tr._dispatch_split(layout(10, 2, send_start=[0, 15]), in_rank)  # rows 15..24 of a 20-row area
 
 
 @pytest.mark.parametrize("num_ranks,rank", [(2, 1), (4, 0), (8, 3)])

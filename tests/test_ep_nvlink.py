@@ -20,7 +20,8 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
             "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "off_copied": "i64", "sm_from": "i32", "timeout_ns": "i64", "off_stage": "i64",
+            "sig_off": "i64", "off_copied": "i64", "copied_ptr": "*i32", "fill_from": "i32", "timeout_ns": "i64",
+            "off_stage": "i64",
             "t_begin": "i32", "t_end": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
@@ -38,10 +39,15 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
     # the e4m3 rows go out in 16-byte stores, not one byte at a time
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
+    # the holes of a copied prefix are filled once this rank's copy has landed: one wait more than the peers' arrivals
+    waits = text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
+    assert waits == 1
+    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == waits + 1
     # copy engines move the rows to peers: the kernel also waits for the peers' copy-done flags
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
                                    num_warps=16, aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > 1
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == waits + 2
     # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
     fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True)
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
@@ -96,6 +102,25 @@ def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
     return torch.cat(rows_x), torch.cat(rows_k), torch.cat(rows_w), torch.cat(rows_src)
 
 
+def received_order(in_ranks, rank, share):
+    """Which row of `expected_dispatch` each received row is with bulk="copy_engine": per source, the rows of its
+    copied prefix stay, its first tokens after the prefix fill the prefix's holes (`_prefix_plan`, checked
+    against a loop on the CPU); the source's own rank keeps token order."""
+    order, first = [], 0
+    for source, in_rank in enumerate(in_ranks):
+        flags = in_rank[:, rank].cpu().numpy()
+        sent = flags.sum()
+        if source == rank:
+            order += range(first, first + sent)
+        else:
+            _, pos = nvlink._prefix_plan(flags, share)
+            index = torch.full((sent,), -1, dtype=torch.int64)
+            index[torch.from_numpy(pos[flags]).long()] = torch.arange(first, first + sent)
+            order += index.tolist()
+        first += sent
+    return torch.tensor(order, dtype=torch.int64)
+
+
 def _worker(rank, world, port, cases, kind="nvlink"):
     """Dispatch/combine rounds of the `kind` transport ("nvlink" or "copy_engine") against the oracle."""
     dev = _init_nccl(rank, world, port)
@@ -140,21 +165,16 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             num_worst_tokens=worst)
         torch.cuda.synchronize()
         transport.raise_if_failed()
-        if kind == "nvlink_copy_engine" and not quantize:  # the copy engine moves runs of consecutive tokens
-            cols = in_ranks[rank].cpu()
-            starts = {d: [t for t in range(cols.size(0)) if cols[t, d] and (t == 0 or not cols[t - 1, d])]
-                      for d in range(world) if d != rank}
-            if max(len(v) for v in starts.values()) > nvlink.MAX_COPY_RUNS:
-                assert layout.copy_plan == []  # too many: the SMs moved them
-            else:
-                for d, runs in layout.copy_plan:
-                    assert [first for first, _, _ in runs] == starts[d]
-                    assert sum(n for _, n, _ in runs) == int(cols[:, d].sum())
-                copies, sm_from = layout.splits[("dispatch", transport.copy_share)]  # engines: tokens < sm_from
-                assert sm_from == -(-T_all[rank] * 7 // 10)
-                assert all(first + n <= sm_from for _, first, n, _ in copies)
+        if kind == "nvlink_copy_engine" and not quantize:  # one copy per peer of the first rows of x
+            split = layout.splits[("dispatch", transport.copy_share)]
+            assert [(d, m) for d, m, _ in split.copies] == [
+                (d, m) for d in range(world) if d != rank
+                for m in [nvlink._prefix_plan(in_ranks[rank][:, d].cpu().numpy(), transport.copy_share)[0]] if m]
         ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
         n = ex.size(0)
+        if kind == "nvlink_copy_engine" and not quantize:  # a source's rows: holes of its copy filled by later tokens
+            order = received_order(in_ranks, rank, transport.copy_share)
+            ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
         assert rx.size(0) == (worst if worst else n)
         if quantize:  # the fused quantization is smsplit.fp8.quantize_1x128, bit for bit
@@ -217,7 +237,7 @@ DISPATCH_CASES = [
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
-    # top-1 over 512 tokens: bulk="copy_engine" finds > MAX_COPY_RUNS runs, the SMs move them
+    # top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be half holes, the SMs move the rows
     cases = DISPATCH_CASES + [((512, 480), 1, False, 0)]
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
@@ -337,6 +357,9 @@ def _graph_worker(rank, world, port, bulk="sm"):
         route = torch.Generator(device="cpu").manual_seed((seed if bulk == "sm" else 0) * 10 + rank)
         t = torch.randint(0, E, (T, K), generator=route)
         t[torch.rand(T, K, generator=route) < 0.2] = -1
+        if bulk == "copy_engine":  # most tokens to the peer too: its rows are copied, a few holes filled after
+            peer_expert = (rank + 1) % world * num_local + t[:, 0] % num_local
+            t[:, 0] = torch.where(torch.arange(T) % 8 == 5, t[:, 0], peer_expert)
         g = torch.Generator(device="cpu").manual_seed(seed * 10 + rank + 5)
         x.copy_(torch.randn(T, H, generator=g))
         topk.copy_(t)
@@ -350,7 +373,8 @@ def _graph_worker(rank, world, port, bulk="sm"):
         rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst,
                                                          cached=cached)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
-        rx = rx.clone()  # (the FP8 dispatch below reuses the receive area)
+        rx, rk, rw, rsrc = rx.clone(), rk.clone(), rw.clone(), rsrc.clone()  # (the FP8 dispatch below reuses the
+        # receive area; with bulk="copy_engine" it puts the rows in token order, this one in the copy's order)
         out, out_w = transport.combine(y, rw, layout)
         # the same tokens quantized in the dispatch (bulk="copy_engine": staged, then copied in chunks)
         qx, qs, *_ = transport.dispatch(x, None, topk, w, in_rank, num_local, quantize=True, num_worst_tokens=worst,
@@ -364,7 +388,9 @@ def _graph_worker(rank, world, port, bulk="sm"):
         *_, warm_layout, _, _, _, _ = step()
     if bulk == "copy_engine":
         cached = warm_layout
-        assert cached.copy_plan and {"combine", "stage"} <= {key[0] for key in cached.splits}  # copy engines move rows
+        assert {"dispatch", "combine", "stage"} <= {key[0] for key in cached.splits}  # copy engines move rows
+        split = cached.splits[("dispatch", 1.0)]
+        assert split.copies and split.fill_from < T  # the rows go in one copy, and some holes are filled after it
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
@@ -387,9 +413,12 @@ def _graph_worker(rank, world, port, bulk="sm"):
         ex, ek, ew, esrc = expected_dispatch(*inputs, rank, num_local)
         n = ex.size(0)
         assert int(layout.num_recv_tokens.item()) == n
+        ref_q, ref_s = quantize_1x128(ex)  # (the FP8 dispatch, staged, keeps token order)
+        if bulk == "copy_engine":
+            order = received_order(inputs[3], rank, 1.0)
+            ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
         assert torch.equal(rsrc[:n], esrc)
-        ref_q, ref_s = quantize_1x128(ex)
         assert torch.equal(qx[:n].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs[:n], ref_s)
         acc = torch.zeros(T, H, device=dev)
         acc_w = torch.zeros(T, K, device=dev)

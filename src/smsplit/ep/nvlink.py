@@ -31,6 +31,7 @@ saved a view raises instead of reading overwritten data.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ SCALE_BLOCK = 128
 ALIGN = 256
 PHASES = ("notify", "dispatch", "combine")
 BULK_MOVERS = ("sm", "copy_engine")
-MAX_COPY_RUNS = 64  # bulk="copy_engine": more runs of consecutive tokens per peer than this, and the SMs move them
+MAX_HOLE_SHARE = 0.125  # bulk="copy_engine": a peer's copied prefix may hold at most this share of tokens not sent there
 MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
 # local state words (per rank, not shared): [phase] arrivals per source seen so far,
 # [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out,
@@ -249,11 +250,11 @@ def local_experts(topk, d, num_local_experts):
     return tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
 
 
-@triton.jit(do_not_specialize=["sm_from", "t_begin", "t_end", "trace_tag"])  # per-call values must not recompile
+@triton.jit(do_not_specialize=["fill_from", "t_begin", "t_end", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
-                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, sm_from, timeout_ns,
-                    off_stage, t_begin, t_end,
+                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, copied_ptr, fill_from,
+                    timeout_ns, off_stage, t_begin, t_end,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -262,9 +263,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
-    The kernel stores the rows of x of tokens ``t < sm_from`` for this rank only (copy engines move them
-    to peers; 0 with QUANTIZE). WAIT_COPIES: also wait until every peer's copy stream has raised its
-    copy-done flag here (``copied[peer]``) once more than seen so far.
+    Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
+    peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
+    ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens from ``fill_from``
+    on). WAIT_COPIES: also wait until every peer's copy stream has raised its copy-done flag here
+    (``copied`` flags) once more than seen so far.
 
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
@@ -289,6 +292,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     gmask = grp < n_groups
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
+    copied = tl.load(copied_ptr + cols, mask=cols < R, other=0)
     for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
@@ -303,7 +307,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             if STAGE:  # a peer's row to this rank's staging area, same row
                 staged = (_pick(dest_base, cols, rank) + off_stage + row * row_bytes).to(tl.pointer_type(tl.int32))
                 dst = tl.where(d != rank, staged, dst)
-            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & ((d == rank) | (t >= sm_from)[:, None]) & vmask)
+            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & (p >= _pick(copied, cols, d))[:, None] & vmask)
             if QUANTIZE or HAS_SCALES:
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_s + grp, scale, mask=ok & gmask)
@@ -315,6 +319,25 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, weights, mask=ok & kmask)
             dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, t[:, None], mask=ok)
+    if SYNC and not QUANTIZE:
+        if fill_from < T:  # the holes in the copied rows, once the copies have landed
+            copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
+            for d in range(R):
+                if _pick(copied, cols, d) > 0:
+                    flag = (tl.load(bases_ptr + d) + off_copied).to(tl.pointer_type(tl.int32)) + rank
+                    _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+            tl.debug_barrier()
+            for t0 in range(fill_from + pid * TB, T, programs * TB):
+                t = t0 + tl.arange(0, TB)
+                w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
+                    t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+                    X_BYTES, False, False, False, False, VEC, GROUPS, KP, RP, TB)
+                for d in range(R):
+                    p = _column(pos, cols, d)
+                    hole = ((p >= 0) & (p < _pick(copied, cols, d)) & (t >= _pick(copied, cols, d)))[:, None]
+                    row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
+                    dst = (_pick(dest_base, cols, d) + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
+                    ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, hole & vmask)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
         own = tl.load(bases_ptr + rank)
@@ -447,13 +470,43 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
 
 # --- host side ---------------------------------------------------------------------------------------
 
-def _consecutive_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The maximal runs of 1-D ``values`` that go up by one from entry to entry (tokens, or rows of one
-    source, that one copy can move): ``(first, end)``, index ranges ``[first[i], end[i])`` into ``values``."""
-    if len(values) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    breaks = np.flatnonzero(np.diff(values) != 1) + 1
-    return np.concatenate(([0], breaks)).astype(np.int64), np.concatenate((breaks, [len(values)])).astype(np.int64)
+def _prefix_plan(to_peer: np.ndarray, share: float) -> tuple[int, np.ndarray]:
+    """Where a dispatch with ``bulk="copy_engine"`` puts the rows it sends one peer (``to_peer``: bool ``[T]``, the
+    tokens sent there): ``(m, pos)``, ``pos[t]`` the row of token t among this rank's rows there (-1: not sent).
+
+    One copy moves rows ``0 .. m-1`` of x into rows ``0 .. m-1`` there, ``m = ceil(share * sent)``, so token
+    ``t < m`` sent there lands on row t. The tokens before m that are not sent there (holes) are overwritten,
+    once that copy has landed, by the first tokens after m that are sent there; the rest follow in token order
+    from row m. A prefix with more than ``MAX_HOLE_SHARE`` holes is not worth copying: then ``m = 0`` and the
+    rows are in token order."""
+    sent = np.flatnonzero(to_peer)
+    m = _share_of(share, len(sent))
+    holes = np.flatnonzero(~to_peer[:m])
+    if len(holes) > MAX_HOLE_SHARE * m:
+        m, holes = 0, holes[:0]
+    pos = np.full(len(to_peer), -1, np.int32)
+    head, tail = sent[sent < m], sent[sent >= m]
+    pos[head] = head
+    pos[tail[: len(holes)]] = holes  # (there are at least as many: m <= sent)
+    pos[tail[len(holes):]] = m + np.arange(len(tail) - len(holes))
+    return m, pos
+
+
+@dataclass
+class DispatchSplit:
+    """What a dispatch with ``bulk="copy_engine"`` gives the copy engines (`_prefix_plan`, per layout and share).
+
+    Attributes:
+        copies: ``[(peer, rows m, first row there)]``, rows ``0 .. m-1`` of x to that peer.
+        copied: int32 device ``[R]``, m per rank (0 for this rank and peers the SMs serve).
+        fill_from: the first token that may fill a hole (``num_tokens``: no holes).
+        pos: int32 device ``[num_tokens, R]``, the rows (this rank's own column: token order).
+    """
+
+    copies: list
+    copied: torch.Tensor
+    fill_from: int
+    pos: torch.Tensor
 
 
 def _share_of(share: float, n: int) -> int:
@@ -488,19 +541,20 @@ class NvlinkLayout:
             start on each destination, where each source's tokens start here, rows received.
         num_tokens: tokens on this rank.
         num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
-        copy_plan: with ``bulk="copy_engine"``, made at the first dispatch that uses it (host copy of the
-            layout): ``[(peer, [(first token, tokens, first row on the peer), ...]), ...]``, or ``[]`` when
-            the runs are too many and the SMs move the rows.
-        splits: per (``"dispatch"``, ``copy_share``) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``),
-            the copies the copy engines make and where the SMs take over (see `NvlinkTransport`).
+        splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``) and (``"combine"``,
+            ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``: the copies the copy engines
+            make and where the SMs take over (see `NvlinkTransport`), made on first use from a host read.
+        sent_pos: the rows the dispatch that returned this layout put the tokens in on each rank, which its combine
+            reads back: ``pos``, or a `DispatchSplit`'s ``pos`` when copy engines moved rows ``0 .. m-1`` of x (a
+            dispatch with ``cached`` returns a copy of it that shares ``splits``).
     """
 
     pos: torch.Tensor
     layout: torch.Tensor
     num_tokens: int
     num_recv_rows: int
-    copy_plan: list | None = None  # bulk="copy_engine": per peer, the runs of rows its copy engine moves
     splits: dict = field(default_factory=dict)
+    sent_pos: torch.Tensor | None = None
 
     @property
     def num_recv_tokens(self) -> torch.Tensor:
@@ -522,21 +576,23 @@ class NvlinkTransport:
         timeout_s: the longest a kernel waits for a peer before recording a timeout.
         bulk: who moves the token rows, those of a dispatch that does not quantize and those a combine
             sends back: ``"sm"`` (the kernels store them into peers' buffers) or ``"copy_engine"`` (copy
-            engines copy each run of consecutive tokens straight from ``x`` into a peer's receive area,
-            and each run of received rows from ``y`` back into its source's combine area; the kernels
+            engines copy the first rows of ``x`` into a peer's receive area in one copy per peer, and the rows
+            received from each source back into its combine area; the kernels
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
             peers' copy-done flags; an FP8 dispatch that quantizes here stages the peers' rows in this rank's
             combine area over ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
-            be captured in a CUDA graph), and a dispatch layout with more than ``MAX_COPY_RUNS`` runs for
-            some peer is moved by the SMs. A combine's rows go back to each source as one block, copied
+            be captured in a CUDA graph). The copied rows of x include tokens not sent to that peer (holes):
+            the kernel overwrites them with later tokens sent there once the copy has landed, so a source's rows
+            are not all in token order (``recv_src_idx`` names each; `_prefix_plan`); a peer whose copy would
+            hold more than ``MAX_HOLE_SHARE`` holes gets its rows from the SMs, in token order. A combine's rows go back to each source as one block, copied
             in the chunks ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the
             last 1.0, at most ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as
             soon as it has landed.
         copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
-            the rows of this rank's first ``ceil(copy_share * num_tokens)`` tokens; the SMs push the rest at
-            the same time (both paths then share NVLink; 1.0: copy engines only).
+            for a peer that gets ``n`` rows, rows ``0 .. ceil(copy_share * n)-1`` of x; the SMs push the rest at
+            the same time (both paths then share NVLink; 1.0: copy engines only, but the holes).
         combine_copy_share: the same for a combine: the copy engines move the first ``ceil(combine_copy_share
             * n)`` of the ``n`` rows received from each source, the SMs push the rest before the sum starts
             (on 2 H200s 1.0 was fastest: the SMs are better used summing the chunks as they land).
@@ -590,6 +646,7 @@ class NvlinkTransport:
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self.bulk, self.copy_share, self.combine_copy_share = bulk, copy_share, combine_copy_share
         self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
+        self._none_copied = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # dispatch rows: none
         if bulk == "copy_engine":
             from .copy_engine import StreamOps  # (that module imports this one)
 
@@ -637,36 +694,32 @@ class NvlinkTransport:
         ``[R, R]`` int32, entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``; a new tensor."""
         return self._view("counts", torch.int32, (self.num_ranks, self.num_ranks)).cumsum(0, dtype=torch.int32)
 
-    def _copy_plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
-        """``layout.copy_plan``, made on first use from the device layout (a host synchronization)."""
-        if layout.copy_plan is None:
-            send_start = layout.layout[: self.num_ranks].tolist()  # where this rank's rows start on each peer
-            self.raise_if_failed()  # (after that synchronization) a failed count exchange leaves no layout
-            in_rank = is_token_in_rank.cpu().numpy()
-            plan = []
-            for peer in range(self.num_ranks):
-                if peer == self.rank:
-                    continue
-                tokens = np.flatnonzero(in_rank[:, peer])  # the k-th of them lands on row send_start + k
-                first, end = _consecutive_runs(tokens)
-                if len(first) > MAX_COPY_RUNS:
-                    plan = []
-                    break
-                if len(tokens) and not 0 <= send_start[peer] + len(tokens) <= self.num_ranks * self.max_tokens:
-                    raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {peer}'s receive area")
-                plan.append((peer, [(int(tokens[a]), int(b - a), int(send_start[peer] + a)) for a, b in zip(first, end)]))
-            layout.copy_plan = plan
-        return layout.copy_plan
-
-    def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor):
-        """``(copies [(peer, first token, tokens, first row)], sm_from)`` for ``copy_share``: the copy engines
-        move the runs of tokens before ``sm_from``, the SMs the rest (made once per layout and share)."""
+    def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> "DispatchSplit":
+        """The copy-engine prefixes of a dispatch for ``copy_share`` (`_prefix_plan` per peer), made once per layout
+        and share from a host read of the layout and of ``is_token_in_rank``."""
         key = ("dispatch", self.copy_share)
         if key not in layout.splits:
-            plan = self._copy_plan(layout, is_token_in_rank)
-            sm_from = _share_of(self.copy_share, layout.num_tokens) if plan else 0
-            layout.splits[key] = ([(peer, first, min(n, sm_from - first), row)
-                                   for peer, runs in plan for first, n, row in runs if first < sm_from], sm_from)
+            R, T = self.num_ranks, layout.num_tokens
+            send_start = layout.layout[:R].tolist()  # where this rank's rows start on each peer
+            self.raise_if_failed()  # (after that synchronization) a failed count exchange leaves no layout
+            in_rank = is_token_in_rank.cpu().numpy().astype(bool)
+            pos = np.full((T, R), -1, np.int32)
+            copied = np.zeros(R, np.int32)
+            copies, fill_from = [], T
+            for d in range(R):
+                sent = int(in_rank[:, d].sum())
+                if d == self.rank:
+                    pos[:, d] = np.where(in_rank[:, d], np.cumsum(in_rank[:, d]) - 1, -1)
+                    continue
+                if sent and not 0 <= send_start[d] + sent <= R * self.max_tokens:
+                    raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {d}'s receive area")
+                copied[d], pos[:, d] = _prefix_plan(in_rank[:, d], self.copy_share)
+                if copied[d]:
+                    copies.append((d, int(copied[d]), int(send_start[d])))
+                    if in_rank[: copied[d], d].sum() < copied[d]:  # holes: filled from token copied[d] on
+                        fill_from = min(fill_from, int(copied[d]))
+            layout.splits[key] = DispatchSplit(copies, torch.from_numpy(copied).to(self.device), fill_from,
+                                               torch.from_numpy(pos).to(self.device))
         return layout.splits[key]
 
     def _combine_split(self, layout: NvlinkLayout):
@@ -814,11 +867,11 @@ class NvlinkTransport:
         else:
             rows = int(layout[2 * R].item())
             self.raise_if_failed()
-        result = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
+        plans = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, sm_from=0):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -828,8 +881,9 @@ class NvlinkTransport:
                 topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state,
                 self._status_addr(), T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
                 self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
-                self.offsets["src"], self.offsets["signals"], self.offsets["copied"], sm_from, self.timeout_ns,
-                self.offsets["cx"], t_begin, t_end,
+                self.offsets["src"], self.offsets["signals"], self.offsets["copied"],
+                copied if copied is not None else self._none_copied, fill_from, self.timeout_ns, self.offsets["cx"],
+                t_begin, t_end,
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
                 STAGE=staged, SYNC=sync, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
@@ -841,7 +895,7 @@ class NvlinkTransport:
         peers = [peer for peer in range(R) if peer != self.rank]
         if staged:  # launches over ranges of tokens, each followed by a copy of the rows it staged (the combine
             # area is the staging area: nothing else uses it during a dispatch), then one that signals and waits
-            chunks = self._stage_split(result, is_token_in_rank)
+            chunks = self._stage_split(plans, is_token_in_rank)
             self._copy_start(0)
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
                 launch(t_begin, t_end, sync=False)
@@ -854,13 +908,14 @@ class NvlinkTransport:
             copied = self._copy_done()
             launch(T, T, sync=True)
         elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
-            runs, sm_from = self._dispatch_split(result, is_token_in_rank)
-            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
-                                    x.data_ptr() + first * row_bytes, n * row_bytes) for peer, first, n, row in runs], 0,
-                                  peers)], 0)  # every peer waits for it
-            launch(0, T, sync=True, sm_from=sm_from)
+            split = self._dispatch_split(plans, is_token_in_rank)
+            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
+                                   for peer, m, row in split.copies], 0, peers)], 0)  # every peer waits for it
+            pos = split.pos
+            launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from)
         else:
             launch(0, T, sync=True)
+        result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
         if copies:
             torch.cuda.current_stream(self.device).wait_event(copied)
         n_groups = H // SCALE_BLOCK
@@ -905,7 +960,7 @@ class NvlinkTransport:
         chunk_count = chunk_ends.size(1)
         combine_kernel[(self.num_sms,)](
             y.view(torch.uint8).view(torch.int32),
-            y_weights if y_weights is not None else out, layout.layout, layout.pos, self.bases,
+            y_weights if y_weights is not None else out, layout.layout, layout.sent_pos, self.bases,
             self.state, self._status_addr(), self.buffer, chunk_ends, out, out_w if out_w is not None else out, T, H, K, R,
             self.rank, self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"],
             self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
