@@ -308,7 +308,7 @@ def main():
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
-    parser.add_argument("--copy-share", type=float, default=0.7,
+    parser.add_argument("--copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a dispatch's rows the copy engines move (eager rows)")
     parser.add_argument("--combine-copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")

@@ -158,6 +158,7 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
             transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]
             transport.stage_chunks = (4, 1, 7)[case % 3]  # FP8 made in the kernel: staged in this many launches
+            transport.copy_share = (0.7, 1.0, 0.9, 0.0)[case % 4]  # a dispatch's copied prefix: some, all or none
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(

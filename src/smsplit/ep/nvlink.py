@@ -601,7 +601,7 @@ class NvlinkTransport:
     returns_views = True  # received tensors live in the symmetric buffer: Buffer copies them out
 
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
-                 max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 0.7,
+                 max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 1.0,
                  combine_copy_share: float = 1.0):
         import torch.distributed._symmetric_memory as symm_mem
 
