@@ -43,6 +43,9 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
     result = {}
     for name, quantize, source in (("bf16", False, x), ("fp8", True, deq)):
         tr.buffer[tr.offsets["x"]:].fill_(0x7F)
+        torch.cuda.synchronize()
+        dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
+        # start at once: no count exchange orders them after the peer's work)
         rx, rs, *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=quantize,
                                       num_worst_tokens=worst, cached=cached)
         if quantize:
