@@ -161,25 +161,37 @@ def test_shares_outside_0_to_1_are_refused_before_any_setup(argument, value):
 
 
 @pytest.mark.parametrize("num_ranks,rank,chunks", [(2, 0, 4), (2, 1, 1), (4, 3, 3), (8, 2, 5)])
-def test_fp8_staging_chunks_cover_each_peers_rows_in_order(num_ranks, rank, chunks):
+@pytest.mark.parametrize("share", [1.0, 0.7])
+def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_ranks, rank, chunks, share):
     rng = random.Random(num_ranks * 100 + rank)
     T = 57
-    in_rank = torch.tensor([[rng.random() < 0.6 for _ in range(num_ranks)] for _ in range(T)])
+    # dense peers (a copied prefix with a few holes) and sparse ones (too many holes: token order)
+    in_rank = torch.tensor([[rng.random() < (0.96 if (d + rank) % 2 else 0.6) for d in range(num_ranks)]
+                            for _ in range(T)])
     send_start = [rng.randrange(0, 100) for _ in range(num_ranks)]
-    tr = transport(rank, num_ranks, max_tokens=200)
+    tr = transport(rank, num_ranks, max_tokens=200, copy_share=share)
     tr.stage_chunks = chunks
     plan = tr._stage_split(layout(T, num_ranks, send_start=send_start), in_rank)
     assert [(a, b) for a, b, _ in plan] == [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
     for peer in range(num_ranks):
-        rows = [(first, n) for _, _, copies in plan for p, first, n in copies if p == peer]
         if peer == rank:
-            assert rows == []  # this rank's own rows are written in place, never staged
+            assert all(p != peer for _, _, copies in plan for p, _, _ in copies)  # own rows: in place, never staged
             continue
-        for a, b, copies in plan:  # a chunk's rows on the peer: those of its tokens, after the earlier tokens'
-            mine = [(first, n) for p, first, n in copies if p == peer]
-            n = int(in_rank[a:b, peer].sum())
-            assert mine == ([(send_start[peer] + int(in_rank[:a, peer].sum()), n)] if n else [])
-        assert sum(n for _, n in rows) == int(in_rank[:, peer].sum())
+        flags = in_rank[:, peer].tolist()
+        m, rows = prefix_rows_by_loop(flags, share)
+        fillers = {t for t, r in rows.items() if t >= m and r < m}
+        copied_rows = set()
+        for a, b, copies in plan:  # a chunk's runs: its staged tokens' rows, rows below m as one run across holes
+            staged = sorted(rows[t] for t in range(a, b) if flags[t] and t not in fillers)
+            want = []
+            for run in ([r for r in staged if r < m], [r for r in staged if r >= m]):
+                if run:
+                    want.append((send_start[peer] + run[0], run[-1] - run[0] + 1))
+            assert [(first, n) for p, first, n in copies if p == peer] == want
+            copied_rows |= {r - send_start[peer] for p, first, n in copies if p == peer for r in range(first, first + n)}
+        # every row the peer gets is copied from staging or (a hole) stored by the last launch after the copies
+        assert copied_rows | {rows[t] for t in fillers} == set(range(sum(flags)))
+        assert {rows[t] for t in fillers} <= {t for t in range(m) if not flags[t]}
 
 
 def test_fp8_staging_refuses_a_bad_chunk_count_and_rows_past_the_area():

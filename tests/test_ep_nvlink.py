@@ -39,15 +39,14 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
     # the e4m3 rows go out in 16-byte stores, not one byte at a time
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
-    # the holes of a copied prefix are filled once this rank's copy has landed: one wait more than the peers' arrivals
-    waits = text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
-    assert waits == 1
+    # bounded waits: for the peers' arrivals, and for this rank's copies to land before it fills their holes
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == waits + 1
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
     # copy engines move the rows to peers: the kernel also waits for the peers' copy-done flags
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
                                    num_warps=16, aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == waits + 2
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 3
     # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
     fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True)
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
@@ -158,7 +157,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
             transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]
             transport.stage_chunks = (4, 1, 7)[case % 3]  # FP8 made in the kernel: staged in this many launches
-            transport.copy_share = (0.7, 1.0, 0.9, 0.0)[case % 4]  # a dispatch's copied prefix: some, all or none
+            # a dispatch's copied prefix: none, all (BF16 and FP8, top-8/9: a few holes) or some
+            transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
@@ -166,14 +166,14 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             num_worst_tokens=worst)
         torch.cuda.synchronize()
         transport.raise_if_failed()
-        if kind == "nvlink_copy_engine" and not quantize:  # one copy per peer of the first rows of x
+        if kind == "nvlink_copy_engine":  # one copy per peer of the first rows of x (or of the staged rows: FP8)
             split = layout.splits[("dispatch", transport.copy_share)]
             assert [(d, m) for d, m, _ in split.copies] == [
                 (d, m) for d in range(world) if d != rank
                 for m in [nvlink._prefix_plan(in_ranks[rank][:, d].cpu().numpy(), transport.copy_share)[0]] if m]
         ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
         n = ex.size(0)
-        if kind == "nvlink_copy_engine" and not quantize:  # a source's rows: holes of its copy filled by later tokens
+        if kind == "nvlink_copy_engine":  # a source's rows: holes of its copied prefix filled by later tokens
             order = received_order(in_ranks, rank, transport.copy_share)
             ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
@@ -245,6 +245,17 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
+def in_reference_order(t, handle, rank):
+    """Rows ``t`` received with ``handle`` sorted by (source rank, source token index) (the rows past the received
+    tokens stay): the order of the reference backend."""
+    prefix = handle.rank_prefix_matrix[:, rank].long()
+    src = handle.recv_src_idx.long()
+    n = src.numel()
+    source = torch.searchsorted(prefix, torch.arange(n, device=src.device), right=True)
+    order = torch.argsort(source * (1 << 32) + src)
+    return torch.cat([t[:n][order], t[n:]])
+
+
 def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
     """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs, hidden size H."""
     from smsplit.ep import Buffer
@@ -264,7 +275,7 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
         topk = topk.to(dev)
         w = torch.rand(n, K, generator=g).to(dev)
         outs = {}
-        for name, buf in (("nvlink", fast), ("reference", ref)):
+        for name, buf in ((backend, fast), ("reference", ref)):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
             common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=topk, topk_weights=w)
@@ -276,9 +287,13 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2])
-            outs[name] = (bf16[0], bf16[1], bf16[2], bf16[3], q[0][0].view(torch.uint8), q[0][1], q[1],
-                          combined, combined_w, back, xg.grad, q32[0])
-        for i, (a, b) in enumerate(zip(outs["nvlink"], outs["reference"])):
+            bf16_rows, q_rows, q32_rows = bf16[:3], (q[0][0].view(torch.uint8), q[0][1], q[1]), q32[0]
+            if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
+                bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
+                q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
+                q32_rows = in_reference_order(q32_rows, q32[4], rank)
+            outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows)
+        for i, (a, b) in enumerate(zip(outs[backend], outs["reference"])):
             if isinstance(a, list):
                 assert a == b, f"seed {seed}: output {i}: {a} != {b}"
             else:
@@ -292,6 +307,13 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
 @pytest.mark.parametrize("hidden", [2048, 7168])  # 7168: DeepSeek-V3's width
 def test_buffer_nvlink_backend_equals_reference_backend(hidden):
     mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink", hidden), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
+    # the same rows (compared in source, token order: the copies fill holes with later tokens), sums and gradients
+    mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
 
 
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):
@@ -313,12 +335,17 @@ def _nvlink_on_gloo(rank):
     return {"backend": "nvlink", "num_nvl_bytes": 1 << 20}
 
 
+def _nvlink_copy_engine_on_gloo(rank):
+    return {"backend": "nvlink_copy_engine", "num_nvl_bytes": 1 << 20}
+
+
 def _num_sms_by_rank(rank):
     return {"num_sms": 20 + 4 * rank}
 
 
-def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason():
-    mp.spawn(_buffer_refused_worker, args=(1, free_port(), _nvlink_on_gloo, "backend", ["NCCL"]), nprocs=1,
+@pytest.mark.parametrize("kwargs_of_rank", [_nvlink_on_gloo, _nvlink_copy_engine_on_gloo])
+def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason(kwargs_of_rank):
+    mp.spawn(_buffer_refused_worker, args=(1, free_port(), kwargs_of_rank, "backend", ["NCCL"]), nprocs=1,
              join=True)
 
 
@@ -375,7 +402,7 @@ def _graph_worker(rank, world, port, bulk="sm"):
                                                          cached=cached)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
         rx, rk, rw, rsrc = rx.clone(), rk.clone(), rw.clone(), rsrc.clone()  # (the FP8 dispatch below reuses the
-        # receive area; with bulk="copy_engine" it puts the rows in token order, this one in the copy's order)
+        # receive area)
         out, out_w = transport.combine(y, rw, layout)
         # the same tokens quantized in the dispatch (bulk="copy_engine": staged, then copied in chunks)
         qx, qs, *_ = transport.dispatch(x, None, topk, w, in_rank, num_local, quantize=True, num_worst_tokens=worst,
@@ -414,10 +441,10 @@ def _graph_worker(rank, world, port, bulk="sm"):
         ex, ek, ew, esrc = expected_dispatch(*inputs, rank, num_local)
         n = ex.size(0)
         assert int(layout.num_recv_tokens.item()) == n
-        ref_q, ref_s = quantize_1x128(ex)  # (the FP8 dispatch, staged, keeps token order)
-        if bulk == "copy_engine":
+        if bulk == "copy_engine":  # the rows of the copy (the staged FP8 dispatch puts them on the same rows)
             order = received_order(inputs[3], rank, 1.0)
             ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
+        ref_q, ref_s = quantize_1x128(ex)
         assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
         assert torch.equal(rsrc[:n], esrc)
         assert torch.equal(qx[:n].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs[:n], ref_s)
@@ -508,6 +535,86 @@ def _buffer_graph_worker(rank, world, port):
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
+
+
+def _buffer_graph_cached_worker(rank, world, port):
+    """Buffer(backend="nvlink_copy_engine"): an eager dispatch makes the handle (and every copy plan), then cached
+    BF16 and FP8 dispatches, an "expert" and the combine are captured in one CUDA graph and replayed with new tokens
+    on the same routing, equal to the reference backend's cached calls on the same inputs (rows compared in its
+    order); without a handle a capture is refused, naming it."""
+    from smsplit.ep import Buffer, EPArgumentError
+
+    dev = _init_nccl(rank, world, port)
+    group = dist.group.WORLD
+    T, H, E, K = 128, 2048, 16, 4
+    worst = world * T
+    fast = Buffer(group, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend="nvlink_copy_engine"),
+                  num_sms=8, backend="nvlink_copy_engine", timeout_s=30)
+    ref = Buffer(group, backend="reference", timeout_s=30)
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    topk = torch.randint(0, E, (T, K), generator=g)
+    topk[torch.rand(T, K, generator=g) < 0.1] = -1
+    topk, w = topk.to(dev), torch.rand(T, K, generator=g).to(dev)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    handles = {}
+    for name, buf in (("fast", fast), ("ref", ref)):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+        _, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w,
+                                                  num_worst_tokens=worst)
+        handles[name] = (handle, recv_w)
+    split = handles["fast"][0].nvlink_layout.splits[("dispatch", 1.0)]
+    assert split.copies and split.fill_from < T  # the copy engines move a prefix with holes
+
+    def step(buf, handle, recv_w):
+        recv_x, *_ = buf.dispatch(x, handle=handle)
+        (q, scales), *_ = buf.dispatch(x, handle=handle, fp8=True)
+        y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
+        out, out_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+        return recv_x, q.view(torch.uint8), scales, out, out_w
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        step(fast, *handles["fast"])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(fast, *handles["fast"])
+    for round_ in range(1, 4):
+        x.copy_(torch.randn(T, H, generator=g))
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        for t in captured:  # poison what the replay must overwrite
+            t.view(torch.uint8).fill_(0x7F)
+        graph.replay()
+        fast.check_kernels()
+        expected = step(ref, *handles["ref"])
+        for i, (a, b) in enumerate(zip(captured, expected)):
+            if i < 3:
+                a = in_reference_order(a, handles["fast"][0], rank)
+            assert torch.equal(a, b), f"round {round_}: output {i} differs"
+    other = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(other):
+            per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(topk, E)
+            fast.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w, num_worst_tokens=worst)
+    except EPArgumentError as e:
+        assert e.argument == "handle", str(e)
+    else:
+        raise AssertionError("an uncached nvlink_copy_engine dispatch was captured")
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_buffer_nvlink_copy_engine_replays_cached_calls_in_a_cuda_graph():
+    mp.spawn(_buffer_graph_cached_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 @pytest.mark.gpu

@@ -13,8 +13,9 @@ from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combin
 from .reference import ReferenceTransport
 from .transport import EPArgumentError, EPError, EPTimeoutError
 
-BACKENDS = ("auto", "reference", "nvlink", "copy_engine")
-DEVICE_BACKENDS = ("nvlink", "copy_engine")  # our kernels on symmetric memory, one node
+BACKENDS = ("auto", "reference", "nvlink", "copy_engine", "nvlink_copy_engine")
+DEVICE_BACKENDS = ("nvlink", "copy_engine", "nvlink_copy_engine")  # our kernels on symmetric memory, one node
+CAPTURABLE_BACKENDS = ("nvlink", "nvlink_copy_engine")  # no host work per call: CUDA-graph capturable
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Header: one int64 row that every rank sends to every rank before any token moves.
@@ -47,7 +48,7 @@ STATUS_TRANSPORT_FAILED = 1000  # a GPU kernel of this rank recorded a timeout; 
 
 
 def _transport_class(backend: str):
-    """The transport class of a device backend."""
+    """The transport class of a device backend ("nvlink_copy_engine": `NvlinkTransport` with ``bulk="copy_engine"``)."""
     if backend == "copy_engine":
         from .copy_engine import CopyEngineTransport
         return CopyEngineTransport
@@ -96,7 +97,7 @@ class Buffer:
             demand (the GPU transports need it set: see `get_buffer_size_hint`).
         num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
         budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
-        backend: the transport in use ("reference", "nvlink" or "copy_engine").
+        backend: the transport in use ("reference", "nvlink", "nvlink_copy_engine" or "copy_engine").
         device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
         timeout_s: the longest wait for a peer, in seconds.
         transport: the `Transport` that moves the bytes.
@@ -116,10 +117,14 @@ class Buffer:
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
                 buffer inside `torch.cuda.stream(budget.comm_stream)` to run them on the comm SMs.
             backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
-                kernels of `smsplit.ep.nvlink`: SMs store tokens into peers' buffers over NVLink), "copy_engine"
-                (`smsplit.ep.copy_engine`: SMs pack and sum, the copy engines move the bytes), or "auto" (the
-                reference). "nvlink" and "copy_engine" need an NCCL group of one node; size `num_nvl_bytes` with
-                `get_buffer_size_hint(..., backend=...)`.
+                kernels of `smsplit.ep.nvlink`: SMs store tokens into peers' buffers over NVLink), "nvlink_copy_engine"
+                (the same kernels with ``bulk="copy_engine"``: copy engines move the token rows, one copy per peer
+                for a dispatch and chunks for a combine, the SMs the metadata, this rank's own rows and the sum;
+                the fastest on 2 H200s, see BENCHMARKS.md; a token's row among those from its source is not always
+                in token order, `recv_src_idx` in the handle names it), "copy_engine" (`smsplit.ep.copy_engine`: SMs
+                pack and sum, the copy engines move the bytes), or "auto" (the reference). The device backends need
+                an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.
+                "nvlink" and "nvlink_copy_engine" can be captured in CUDA graphs (see `dispatch`).
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
         """
         if group is None:
@@ -189,9 +194,10 @@ class Buffer:
             x_dtype: the dtype of the dispatched values (ignored when `fp8`).
             fp8: whether tokens travel as FP8 with scales.
             combine_dtype: the dtype of the combined values.
-            backend: "reference" (or "auto"), "nvlink" or "copy_engine". The nvlink transport's symmetric buffer
-                holds a bf16-sized receive area and a combine area for every source rank, and top-k columns for up
-                to 16; the copy_engine transport's a bf16-sized staging area per destination and a combine area.
+            backend: "reference" (or "auto"), "nvlink", "nvlink_copy_engine" or "copy_engine". The nvlink
+                transport's symmetric buffer (both nvlink backends) holds a bf16-sized receive area and a combine area
+                for every source rank, and top-k columns for up to 16; the copy_engine transport's a bf16-sized
+                staging area per destination and a combine area.
 
         Returns:
             size: bytes.
@@ -293,8 +299,10 @@ class Buffer:
 
         Returns:
             recv_x: the received tokens, `[num_recv_tokens, hidden]` (`[num_worst_tokens, hidden]` if set), ordered by
-                source rank, then by token index on the source rank; a tuple `(recv_x_fp8, recv_scales)` when FP8
-                travelled and `dequantize` is False.
+                source rank, then by token index on the source rank (backend "nvlink_copy_engine": within a
+                source's block the last few tokens may take the rows of tokens not sent here, see
+                `smsplit.ep.nvlink._prefix_plan`; the same rows for every dispatch with one handle); a tuple
+                `(recv_x_fp8, recv_scales)` when FP8 travelled and `dequantize` is False.
             recv_topk_idx: `[num_recv_tokens, num_topk]` with `torch.int64`: the top-k ids as local expert ids of
                 this rank (`0 .. num_local_experts - 1`), -1 for experts on other ranks and for `-1` entries; None in
                 the cached mode or without `topk_idx`.
@@ -423,9 +431,12 @@ class Buffer:
         an eager dispatch of the same hidden size (it allocates the symmetric buffer). Shapes, dtypes and the
         agreement of ranks are not exchanged: the eager call before the capture checks them; the values of the
         layout tensors are not checked."""
-        if self.backend != "nvlink":
-            raise _reject("backend", f"only the nvlink backend runs inside a CUDA graph capture (no host "
-                                     f"synchronization); this buffer's is {self.backend!r}")
+        if self.backend not in CAPTURABLE_BACKENDS:
+            raise _reject("backend", f"only the {' and '.join(CAPTURABLE_BACKENDS)} backends run inside a CUDA graph "
+                                     f"capture (no host synchronization); this buffer's is {self.backend!r}")
+        if self.backend == "nvlink_copy_engine" and handle is None:
+            raise _reject("handle", "the nvlink_copy_engine backend plans its copies on the host: a captured dispatch "
+                                    "needs the handle of an eager dispatch (cached mode)")
         spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                     previous_event, fp8, dequantize, internal, check_values=False)
@@ -590,8 +601,9 @@ class Buffer:
                 mid = (low + high) // 2
                 fits = Transport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
                 low, high = (mid, high) if fits else (low, mid)
+            bulk = {"bulk": "copy_engine"} if self.backend == "nvlink_copy_engine" else {}
             transport = Transport(self.group, self.device, self.num_sms, low, hidden, NVLINK_MAX_TOPK,
-                                  timeout_s=self.timeout_s)
+                                  timeout_s=self.timeout_s, **bulk)
             self._nvlink_transports[hidden] = transport
         return transport
 
@@ -608,6 +620,9 @@ class Buffer:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
             handle.recv_src_idx = received.clone()
+            if getattr(transport, "bulk", "sm") == "copy_engine":  # every copy plan of the layout now, on the host,
+                # so that later dispatches and combines with this handle can be captured in a CUDA graph
+                transport.plan(layout, handle.is_token_in_rank)
         if not transport.returns_views:
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731

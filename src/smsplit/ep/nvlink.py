@@ -271,7 +271,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
-    to the peer). SYNC: after its tokens the launch signals every destination, waits for every source (and, with
+    to the peer), but those that fill holes, which the SYNC launch stores once the copies have landed. SYNC: after its tokens the launch signals every destination, waits for every source (and, with
     WAIT_COPIES, the copy-done flags), writes the padding rows and ends the phase; a dispatch in several launches
     makes only its last one SYNC, and a launch before it may be followed by copies of the rows it staged."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
@@ -307,7 +307,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             if STAGE:  # a peer's row to this rank's staging area, same row
                 staged = (_pick(dest_base, cols, rank) + off_stage + row * row_bytes).to(tl.pointer_type(tl.int32))
                 dst = tl.where(d != rank, staged, dst)
-            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & (p >= _pick(copied, cols, d))[:, None] & vmask)
+            m = _pick(copied, cols, d)
+            keep = p >= m
+            if STAGE:  # every row but the hole fillers' (t >= m, p < m) is staged
+                keep = keep | (t < m)
+            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & keep[:, None] & vmask)
             if QUANTIZE or HAS_SCALES:
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_s + grp, scale, mask=ok & gmask)
@@ -319,7 +323,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, weights, mask=ok & kmask)
             dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, t[:, None], mask=ok)
-    if SYNC and not QUANTIZE:
+    if SYNC:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
             for d in range(R):
@@ -331,7 +335,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 t = t0 + tl.arange(0, TB)
                 w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
                     t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
-                    X_BYTES, False, False, False, False, VEC, GROUPS, KP, RP, TB)
+                    X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB)
                 for d in range(R):
                     p = _column(pos, cols, d)
                     hole = ((p >= 0) & (p < _pick(copied, cols, d)) & (t >= _pick(copied, cols, d)))[:, None]
@@ -722,6 +726,15 @@ class NvlinkTransport:
                                                torch.from_numpy(pos).to(self.device))
         return layout.splits[key]
 
+    def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> None:
+        """With ``bulk="copy_engine"``: make every host plan of ``layout`` for the current shares and chunkings
+        (dispatch, FP8 staging, combine; host reads, a synchronization), so that dispatches with ``cached=layout``
+        and combines of its rows can then be captured in a CUDA graph."""
+        if self.bulk == "copy_engine":
+            self._dispatch_split(layout, is_token_in_rank)
+            self._stage_split(layout, is_token_in_rank)
+            self._combine_split(layout)
+
     def _combine_split(self, layout: NvlinkLayout):
         """``(chunks, chunk_ends)`` for ``combine_copy_share`` and ``combine_chunks`` (made once per layout, after a host
         read of where each source's rows start): ``chunks[c]`` lists the copies ``(source, first row, rows,
@@ -794,24 +807,36 @@ class NvlinkTransport:
     def _stage_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
         """For an FP8 dispatch that stages the peers' rows (``bulk="copy_engine"``, quantized in the kernel):
         ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, ``stage_chunks`` ranges of this
-        rank's tokens and, per peer, the rows on that peer their tokens fill (consecutive: a staged row keeps
-        its row number). Made once per layout (a host read of the layout and of ``is_token_in_rank``)."""
+        rank's tokens and, per peer, the runs of rows on that peer that the launch over them stages (a staged row
+        keeps its row number). The rows are those of the BF16 dispatch (`_dispatch_split`), so that a layout puts a
+        token on the same row whatever the dispatch moves: the tokens that fill holes are not staged but stored by
+        the last launch once the copies have landed, and a copied run of rows may cover holes (overwritten then).
+        Made once per layout."""
         if self.stage_chunks < 1:
             raise ValueError(f"stage_chunks must be >= 1, got {self.stage_chunks}")
-        key = ("stage", self.stage_chunks)
+        key = ("stage", self.stage_chunks, self.copy_share)
         if key not in layout.splits:
+            split = self._dispatch_split(layout, is_token_in_rank)
             R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
             send_start = layout.layout[:R].tolist()
-            self.raise_if_failed()
-            in_rank = is_token_in_rank.cpu().numpy().astype(np.int64)
-            before = np.concatenate([np.zeros((1, R), np.int64), np.cumsum(in_rank, 0)])  # rows sent before token t
-            for peer in range(R):
-                if not 0 <= send_start[peer] + before[T, peer] <= R * self.max_tokens:
-                    raise EPError(f"rank {self.rank}: the layout puts rows past the end of rank {peer}'s receive area")
+            pos = split.pos.cpu().numpy()
+            copied = split.copied.tolist()
             bounds = [c * T // C for c in range(C + 1)]
-            layout.splits[key] = [(a, b, [(peer, int(send_start[peer] + before[a, peer]), int(before[b, peer] - before[a, peer]))
-                                          for peer in range(R) if peer != self.rank and before[b, peer] > before[a, peer]])
-                                  for a, b in zip(bounds, bounds[1:])]
+            chunks = []
+            for a, b in zip(bounds, bounds[1:]):
+                runs = []
+                for peer in range(R):
+                    if peer == self.rank:
+                        continue
+                    m = copied[peer]
+                    p = pos[a:b, peer]
+                    rows = np.sort(p[(p >= m) | ((p >= 0) & (np.arange(a, b) < m))])  # staged: all but hole fillers
+                    head, tail = rows[rows < m], rows[rows >= m]  # head: row = token, one run across its holes
+                    for run in (head, tail):
+                        if len(run):
+                            runs.append((peer, send_start[peer] + int(run[0]), int(run[-1] - run[0] + 1)))
+                chunks.append((a, b, runs))
+            layout.splits[key] = chunks
         return layout.splits[key]
 
     # -- dispatch / combine ---------------------------------------------------------------------------
@@ -843,7 +868,7 @@ class NvlinkTransport:
         x_bytes = 1 if (fp8_in or quantize) else 2
         copies = self.bulk == "copy_engine"
         staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
-        key = ("stage", self.stage_chunks) if staged else ("dispatch", self.copy_share)
+        key = ("stage", self.stage_chunks, self.copy_share) if staged else ("dispatch", self.copy_share)
         if copies and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
             raise ValueError("bulk='copy_engine': a dispatch captured in a CUDA graph needs a cached layout that an "
                              "earlier dispatch has used (its copies are planned on the host)")
@@ -896,9 +921,11 @@ class NvlinkTransport:
         if staged:  # launches over ranges of tokens, each followed by a copy of the rows it staged (the combine
             # area is the staging area: nothing else uses it during a dispatch), then one that signals and waits
             chunks = self._stage_split(plans, is_token_in_rank)
+            split = self._dispatch_split(plans, is_token_in_rank)
+            pos = split.pos
             self._copy_start(0)
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
-                launch(t_begin, t_end, sync=False)
+                launch(t_begin, t_end, sync=False, copied=split.copied)
                 staged_event = torch.cuda.Event()
                 staged_event.record(torch.cuda.current_stream(self.device))
                 last = c == len(chunks) - 1
@@ -906,7 +933,7 @@ class NvlinkTransport:
                                   self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
                                  for peer, row, n in staged_rows], 0, peers if last else [], after=staged_event)
             copied = self._copy_done()
-            launch(T, T, sync=True)
+            launch(T, T, sync=True, copied=split.copied, fill_from=split.fill_from)
         elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
             split = self._dispatch_split(plans, is_token_in_rank)
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
