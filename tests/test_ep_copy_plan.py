@@ -181,17 +181,18 @@ def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_
         m, rows = prefix_rows_by_loop(flags, share)
         fillers = {t for t, r in rows.items() if t >= m and r < m}
         copied_rows = set()
-        for a, b, copies in plan:  # a chunk's runs: its staged tokens' rows, rows below m as one run across holes
-            staged = sorted(rows[t] for t in range(a, b) if flags[t] and t not in fillers)
-            want = []
-            for run in ([r for r in staged if r < m], [r for r in staged if r >= m]):
-                if run:
-                    want.append((send_start[peer] + run[0], run[-1] - run[0] + 1))
+        for a, b, copies in plan:  # a chunk's runs: rows a .. min(b, m)-1 (holes too), then its later tokens' rows
+            later = sorted(rows[t] for t in range(a, b) if flags[t] and t not in fillers and rows[t] >= m)
+            want = [(send_start[peer] + a, min(b, m) - a)] if a < m else []
+            want += [(send_start[peer] + later[0], len(later))] if later else []
             assert [(first, n) for p, first, n in copies if p == peer] == want
-            copied_rows |= {r - send_start[peer] for p, first, n in copies if p == peer for r in range(first, first + n)}
-        # every row the peer gets is copied from staging or (a hole) stored by the last launch after the copies
-        assert copied_rows | {rows[t] for t in fillers} == set(range(sum(flags)))
-        assert {rows[t] for t in fillers} <= {t for t in range(m) if not flags[t]}
+            assert later == list(range(later[0], later[0] + len(later))) if later else True
+            mine = [r - send_start[peer] for p, first, n in copies if p == peer for r in range(first, first + n)]
+            assert not copied_rows & set(mine)  # no row copied twice
+            copied_rows |= set(mine)
+        # every row the peer gets is copied once from staging (the fillers' rows, staged by the first launch, too)
+        assert copied_rows == set(range(sum(flags)))
+        assert {rows[t] for t in fillers} == {t for t in range(m) if not flags[t]}
 
 
 def test_fp8_staging_refuses_a_bad_chunk_count_and_rows_past_the_area():

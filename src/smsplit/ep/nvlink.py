@@ -244,6 +244,35 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 
 @triton.jit
+def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, stage_base, off_x,
+                        pid, programs, STAGE: tl.constexpr, X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr,
+                        VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr):
+    """The rows of the tokens from ``fill_from`` on that fill holes of a copied prefix (`_prefix_plan`: token
+    ``t >= copied[d]`` on a row ``p < copied[d]``), to the peer's receive rows or, with STAGE, to the same rows of this
+    rank's staging area (``stage_base``), whose copies then carry them."""
+    cols = tl.arange(0, RP)
+    vec = tl.arange(0, VEC)[None, :]
+    row_bytes = H * X_BYTES
+    vmask = vec < row_bytes // 16
+    for t0 in range(fill_from + pid * TB, T, programs * TB):
+        t = t0 + tl.arange(0, TB)
+        w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
+            t, t < T, x_ptr, x_ptr, x_ptr, x_ptr, pos_ptr, H, 1, R,
+            X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB)
+        for d in range(R):
+            p = _column(pos, cols, d)
+            m = _pick(copied, cols, d)
+            hole = ((p >= 0) & (p < m) & (t >= m))[:, None]
+            row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
+            if STAGE:
+                base = stage_base
+            else:
+                base = _pick(dest_base, cols, d) + off_x
+            ptx.st_global_na_v4((base + row * row_bytes).to(tl.pointer_type(tl.int32)) + 4 * vec, w0, w1, w2, w3,
+                                hole & vmask)
+
+
+@triton.jit
 def local_experts(topk, d, num_local_experts):
     """Top-k ids as rank ``d``'s local expert ids, -1 where the expert is elsewhere (or the choice dropped)."""
     local = topk - d * num_local_experts
@@ -271,7 +300,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
-    to the peer), but those that fill holes, which the SYNC launch stores once the copies have landed. SYNC: after its tokens the launch signals every destination, waits for every source (and, with
+    to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` on), which without
+    STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the launch signals every destination, waits for every source (and, with
     WAIT_COPIES, the copy-done flags), writes the padding rows and ends the phase; a dispatch in several launches
     makes only its last one SYNC, and a launch before it may be followed by copies of the rows it staged."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
@@ -293,6 +323,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     k = tl.arange(0, KP)[None, :]
     kmask = k < K
     copied = tl.load(copied_ptr + cols, mask=cols < R, other=0)
+    if STAGE:
+        if (t_begin == 0) & (fill_from < T):  # first, the hole fillers: the first copies carry their rows
+            _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
+                                _pick(dest_base, cols, rank) + off_stage, off_x, pid, programs, True, X_BYTES,
+                                QUANTIZE, VEC, GROUPS, KP, RP, TB)
     for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
@@ -323,7 +358,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, weights, mask=ok & kmask)
             dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, t[:, None], mask=ok)
-    if SYNC:
+    if SYNC and not STAGE:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
             for d in range(R):
@@ -331,17 +366,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     flag = (tl.load(bases_ptr + d) + off_copied).to(tl.pointer_type(tl.int32)) + rank
                     _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
             tl.debug_barrier()
-            for t0 in range(fill_from + pid * TB, T, programs * TB):
-                t = t0 + tl.arange(0, TB)
-                w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-                    t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
-                    X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB)
-                for d in range(R):
-                    p = _column(pos, cols, d)
-                    hole = ((p >= 0) & (p < _pick(copied, cols, d)) & (t >= _pick(copied, cols, d)))[:, None]
-                    row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
-                    dst = (_pick(dest_base, cols, d) + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-                    ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, hole & vmask)
+            _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
+                                programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
         own = tl.load(bases_ptr + rank)
@@ -809,9 +835,9 @@ class NvlinkTransport:
         ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, ``stage_chunks`` ranges of this
         rank's tokens and, per peer, the runs of rows on that peer that the launch over them stages (a staged row
         keeps its row number). The rows are those of the BF16 dispatch (`_dispatch_split`), so that a layout puts a
-        token on the same row whatever the dispatch moves: the tokens that fill holes are not staged but stored by
-        the last launch once the copies have landed, and a copied run of rows may cover holes (overwritten then).
-        Made once per layout."""
+        token on the same row whatever the dispatch moves: rows below the copied prefix's end m go in runs
+        ``[a, min(b, m))`` per chunk of tokens ``[a, b)``, holes included (the first launch stages the tokens that
+        fill them), the chunk's later tokens after them. Made once per layout."""
         if self.stage_chunks < 1:
             raise ValueError(f"stage_chunks must be >= 1, got {self.stage_chunks}")
         key = ("stage", self.stage_chunks, self.copy_share)
@@ -830,11 +856,11 @@ class NvlinkTransport:
                         continue
                     m = copied[peer]
                     p = pos[a:b, peer]
-                    rows = np.sort(p[(p >= m) | ((p >= 0) & (np.arange(a, b) < m))])  # staged: all but hole fillers
-                    head, tail = rows[rows < m], rows[rows >= m]  # head: row = token, one run across its holes
-                    for run in (head, tail):
-                        if len(run):
-                            runs.append((peer, send_start[peer] + int(run[0]), int(run[-1] - run[0] + 1)))
+                    if a < m:  # rows a .. min(b, m)-1: its tokens' (row = token) and holes (fillers staged first)
+                        runs.append((peer, send_start[peer] + a, min(b, m) - a))
+                    tail = np.sort(p[p >= m])  # its tokens after the prefix that fill no hole: consecutive rows
+                    if len(tail):
+                        runs.append((peer, send_start[peer] + int(tail[0]), int(tail[-1] - tail[0] + 1)))
                 chunks.append((a, b, runs))
             layout.splits[key] = chunks
         return layout.splits[key]
@@ -925,7 +951,7 @@ class NvlinkTransport:
             pos = split.pos
             self._copy_start(0)
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
-                launch(t_begin, t_end, sync=False, copied=split.copied)
+                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from)
                 staged_event = torch.cuda.Event()
                 staged_event.record(torch.cuda.current_stream(self.device))
                 last = c == len(chunks) - 1
