@@ -11,7 +11,9 @@ stream, both device-only (no host synchronization when the receive size is fixed
    loads the row once with 16-byte non-caching loads (or quantizes it to FP8 e4m3 with one scale per
    128 values) and stores it, its top-k (as the destination's local expert ids), weights and source
    index into every destination's receive area with 16-byte stores. Then it signals each destination
-   with a release add and waits until every program of every source has signalled it.
+   with a release add and waits until every program of every source has signalled it. With
+   ``bulk="copy_engine"`` one copy-engine copy per peer moves the first rows of x instead (`_prefix_plan`;
+   FP8 made here is staged in this rank's buffer first) and the programs move the rest.
 
 A combine pushes each received row back into its source's combine area (one slot per expert rank and
 position among the rows that rank received from the source, so each source's rows go back as one block),
@@ -571,7 +573,7 @@ class NvlinkLayout:
             start on each destination, where each source's tokens start here, rows received.
         num_tokens: tokens on this rank.
         num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
-        splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``) and (``"combine"``,
+        splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``, ``copy_share``) and (``"combine"``,
             ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``: the copies the copy engines
             make and where the SMs take over (see `NvlinkTransport`), made on first use from a host read.
         sent_pos: the rows the dispatch that returned this layout put the tokens in on each rank, which its combine
@@ -613,13 +615,13 @@ class NvlinkTransport:
             combine area over ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
-            be captured in a CUDA graph). The copied rows of x include tokens not sent to that peer (holes):
-            the kernel overwrites them with later tokens sent there once the copy has landed, so a source's rows
-            are not all in token order (``recv_src_idx`` names each; `_prefix_plan`); a peer whose copy would
-            hold more than ``MAX_HOLE_SHARE`` holes gets its rows from the SMs, in token order. A combine's rows go back to each source as one block, copied
-            in the chunks ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the
-            last 1.0, at most ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as
-            soon as it has landed.
+            be captured in a CUDA graph; `plan` makes every plan at once). The copied rows of x include tokens
+            not sent to that peer (holes): the kernel overwrites them with later tokens sent there once the copy
+            has landed, so a source's rows are not all in token order (``recv_src_idx`` names each;
+            `_prefix_plan`); a peer whose copy would hold more than ``MAX_HOLE_SHARE`` holes gets its rows from
+            the SMs, in token order. A combine's rows go back to each source as one block, copied in the chunks
+            ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the last 1.0, at most
+            ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as soon as it has landed.
         copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
             for a peer that gets ``n`` rows, rows ``0 .. ceil(copy_share * n)-1`` of x; the SMs push the rest at
             the same time (both paths then share NVLink; 1.0: copy engines only, but the holes).
@@ -724,7 +726,7 @@ class NvlinkTransport:
         ``[R, R]`` int32, entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``; a new tensor."""
         return self._view("counts", torch.int32, (self.num_ranks, self.num_ranks)).cumsum(0, dtype=torch.int32)
 
-    def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> "DispatchSplit":
+    def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> DispatchSplit:
         """The copy-engine prefixes of a dispatch for ``copy_share`` (`_prefix_plan` per peer), made once per layout
         and share from a host read of the layout and of ``is_token_in_rank``."""
         key = ("dispatch", self.copy_share)
