@@ -65,7 +65,7 @@ def stage_launch(s, programs, tb, warps, quantize):
         int(1e9), o["cx"], 0, T,
         X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False,
         HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * x_bytes // 16), GROUPS=nvlink._pow2(H // 128),
-        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, TRACE=False, trace_ptr=s["layout"], trace_tag=0,
+        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=8, TRACE=False, trace_ptr=s["layout"], trace_tag=0,
         num_warps=warps)
 
 

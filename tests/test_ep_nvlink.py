@@ -24,11 +24,12 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "off_stage": "i64",
             "t_begin": "i32", "t_end": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
-            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
+            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "QG": "constexpr",
+            "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
     consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
               "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
-              "TRACE": False}
+              "QG": 8, "TRACE": False}
     aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
