@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import align_up, token_positions
@@ -251,23 +251,24 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 @triton.jit
 def quantize_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
     """Groups ``g0 .. g0 + QG - 1`` (128 values each) of bf16 rows ``t64`` (``[TB, 1]``) quantized to e4m3 as
-    `load_tokens` does whole rows: the four int32 words of their 16-byte vectors (``[TB, QG * 8]`` each, vector
-    ``8 * g0 + j`` of the row) and the scales ``[TB, QG]``. A row in chunks holds a few registers where a whole
-    row holds the kernel's limit."""
+    `load_tokens` does whole rows: the two int32 words of their 8-byte vectors (``[TB, QG * 16]`` each, vector
+    ``16 * g0 + j`` of the row: the bytes a thread made from its own 16-byte load, so no exchange between threads
+    and no barrier) and the scales ``[TB, QG]``. A row in chunks holds a few registers where a whole row holds
+    the kernel's limit."""
     g3 = g0 + tl.arange(0, QG)[None, :, None]
     c3 = tl.arange(0, 128)[None, None, :]
     xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
                  other=0.0).to(tl.float32)
     q, scale = quantize_e4m3_groups(xf, 2)
-    w0, w1, w2, w3 = e4m3_v4_words(q, TB, QG)
-    return w0, w1, w2, w3, scale
+    w0, w1 = e4m3_v2_words(q, TB, QG)
+    return w0, w1, scale
 
 
 @triton.jit
 def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, dest_base, stage_base, off_x,
-                     STAGE: tl.constexpr, RP: tl.constexpr):
-    """Store vectors ``v`` (``[1, n]``, words ``w0..w3``) of the rows of tokens ``t`` that fill holes
-    (`_store_hole_fillers`)."""
+                     STAGE: tl.constexpr, RP: tl.constexpr, V2: tl.constexpr):
+    """Store vectors ``v`` (``[1, n]``; 16-byte words ``w0..w3``, V2: 8-byte ``w0, w1``) of the rows of tokens ``t``
+    that fill holes (`_store_hole_fillers`)."""
     cols = tl.arange(0, RP)
     for d in tl.static_range(RP):
         p = _column(pos, cols, d)
@@ -278,8 +279,11 @@ def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, d
             base = stage_base
         else:
             base = _pick(dest_base, cols, d) + off_x
-        ptx.st_global_na_v4((base + row * row_bytes).to(tl.pointer_type(tl.int32)) + 4 * v, w0, w1, w2, w3,
-                            hole & (v < row_bytes // 16))
+        dst = (base + row * row_bytes).to(tl.pointer_type(tl.int32))
+        if V2:
+            ptx.st_global_na_v2(dst + 2 * v, w0, w1, hole & (v < row_bytes // 8))
+        else:
+            ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
 
 
 @triton.jit
@@ -298,12 +302,12 @@ def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, 
             X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
         if QUANTIZE:
             for g0 in range(0, H // 128, QG):
-                q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t.to(tl.int64)[:, None], t < T, g0, H, QG, TB)
-                _store_hole_rows(t, pos, 8 * g0 + tl.arange(0, QG * 8)[None, :], q0, q1, q2, q3, row_bytes, copied,
-                                 dest_start, dest_base, stage_base, off_x, STAGE, RP)
+                q0, q1, _ = quantize_chunk(x_ptr, t.to(tl.int64)[:, None], t < T, g0, H, QG, TB)
+                _store_hole_rows(t, pos, 16 * g0 + tl.arange(0, QG * 16)[None, :], q0, q1, q0, q1, row_bytes, copied,
+                                 dest_start, dest_base, stage_base, off_x, STAGE, RP, True)
         else:
             _store_hole_rows(t, pos, tl.arange(0, VEC)[None, :], w0, w1, w2, w3, row_bytes, copied, dest_start,
-                             dest_base, stage_base, off_x, STAGE, RP)
+                             dest_base, stage_base, off_x, STAGE, RP, False)
 
 
 @triton.jit
@@ -407,8 +411,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
             for g0 in range(0, n_groups, QG):
-                q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, QG, TB)
-                v = 8 * g0 + tl.arange(0, QG * 8)[None, :]
+                q0, q1, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, QG, TB)
+                v = 16 * g0 + tl.arange(0, QG * 16)[None, :]  # 8-byte vectors
                 g = g0 + tl.arange(0, QG)[None, :]
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
@@ -417,7 +421,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     base = _pick(dest_base, cols, d)
                     dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
                                        row_bytes, STAGE)
-                    ptx.st_global_na_v4(dst + 4 * v, q0, q1, q2, q3, ok & keep & (v < n_vec))
+                    ptx.st_global_na_v2(dst + 2 * v, q0, q1, ok & keep & (v < row_bytes // 8))
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                     tl.store(dst_s + g, qscale, mask=ok & (g < n_groups))
     if SYNC and not STAGE:
@@ -720,7 +724,8 @@ class NvlinkTransport:
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
         self.stage_chunks = 4
-        self.quantize_groups_per_step = 8  # groups of 128 values a dispatch that quantizes takes at a time
+        self.quantize_tokens_per_step = 8  # a dispatch that quantizes: tokens per step, and groups of 128 values
+        self.quantize_groups_per_step = 8  # quantized at a time
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -1001,7 +1006,8 @@ class NvlinkTransport:
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
                 STAGE=staged, SYNC=sync, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
-                KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, QG=self.quantize_groups_per_step,
+                KP=_pow2(max(K, 1)), RP=_pow2(R),
+                TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
                 TRACE=trace is not None,
                 trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
