@@ -27,7 +27,7 @@ from common import environment, time_ms, write_result  # noqa: E402
 
 def setup(T, H, E, K, R=2):
     from smsplit.ep import nvlink
-    from smsplit.ep.layout import align_up, token_positions
+    from smsplit.ep.layout import region_offsets, token_positions
 
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -36,10 +36,7 @@ def setup(T, H, E, K, R=2):
     weights = torch.rand(T, K, generator=g).to(dev)
     num_local = E // R
     in_rank = torch.stack([((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1) for r in range(R)], 1)
-    offsets, total = {}, 0
-    for name, size in nvlink._region_bytes(R, T, H, K).items():
-        offsets[name] = total
-        total += align_up(size, nvlink.ALIGN)
+    offsets, total = region_offsets(nvlink._region_bytes(R, T, H, K), nvlink.ALIGN)  # NvlinkTransport's layout
     buf = torch.zeros(total, dtype=torch.uint8, device=dev)
     layout = torch.zeros(2 * R + 2, dtype=torch.int32, device=dev)
     layout[1] = T  # the "peer's" rows start after this rank's own

@@ -620,7 +620,7 @@ class Buffer:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
             handle.recv_src_idx = received.clone()
-            if getattr(transport, "bulk", "sm") == "copy_engine":  # every copy plan of the layout now, on the host,
+            if hasattr(transport, "plan"):  # every copy plan of the layout now, on the host (bulk="copy_engine"),
                 # so that later dispatches and combines with this handle can be captured in a CUDA graph
                 transport.plan(layout, handle.is_token_in_rank)
         if not transport.returns_views:

@@ -16,7 +16,7 @@ import triton.language as tl
 from smsplit import ptx
 from smsplit.trace import record_block
 
-from .layout import align_up, token_positions
+from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
 from .transport import EPTimeoutError
 
@@ -326,10 +326,8 @@ class CopyEngineTransport:
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.tokens_per_step = 4
         self.timeout_s, self.timeout_ns = timeout_s, int(timeout_s * 1e9)
-        self.offsets, total = {}, 0
-        for name, size in _region_bytes(self.num_ranks, max_tokens, hidden, max_topk, num_chunks).items():
-            self.offsets[name] = total
-            total += align_up(size, ALIGN)
+        self.offsets, total = region_offsets(_region_bytes(self.num_ranks, max_tokens, hidden, max_topk, num_chunks),
+                                             ALIGN)
         self.nbytes = total
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
@@ -353,8 +351,7 @@ class CopyEngineTransport:
     @staticmethod
     def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16, num_chunks: int = 4) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
-        return sum(align_up(size, ALIGN)
-                   for size in _region_bytes(num_ranks, max_tokens, hidden, max_topk, num_chunks).values())
+        return region_offsets(_region_bytes(num_ranks, max_tokens, hidden, max_topk, num_chunks), ALIGN)[1]
 
     # -- status ---------------------------------------------------------------------------------------
 

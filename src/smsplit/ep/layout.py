@@ -75,6 +75,16 @@ def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
+def region_offsets(sizes: dict, alignment: int) -> Tuple[dict, int]:
+    """Where each region of a buffer starts when ``sizes`` (name -> bytes, in order) are laid out one after the
+    other, each padded to ``alignment``: ``(offsets, total bytes)``."""
+    offsets, total = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = total
+        total += align_up(size, alignment)
+    return offsets, total
+
+
 def dispatch_row_bytes(hidden: int, x_element_size: int, with_scales: bool, num_topk: int) -> int:
     """Bytes of one dispatched token: its values, its FP8 scales, top-k ids (int64) and weights (fp32), source index (int32)."""
     scale_bytes = (hidden // SCALE_BLOCK) * 4 if with_scales else 0

@@ -47,7 +47,7 @@ from smsplit import ptx
 from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_groups
 from smsplit.trace import record_block
 
-from .layout import align_up, token_positions
+from .layout import region_offsets, token_positions
 from .transport import EPError, EPTimeoutError
 
 SCALE_BLOCK = 128
@@ -356,9 +356,10 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
     to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` on), which without
-    STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the launch signals every destination, waits for every source (and, with
-    WAIT_COPIES, the copy-done flags), writes the padding rows and ends the phase; a dispatch in several launches
-    makes only its last one SYNC, and a launch before it may be followed by copies of the rows it staged."""
+    STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the
+    launch signals every destination, waits for every source (and, with WAIT_COPIES, the copy-done flags), writes
+    the padding rows and ends the phase; a dispatch in several launches makes only its last one SYNC, and a launch
+    before it may be followed by copies of the rows it staged."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     if TRACE:
         t_start = ptx.globaltimer()
@@ -729,10 +730,7 @@ class NvlinkTransport:
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
-        self.offsets, total = {}, 0
-        for name, size in _region_bytes(self.num_ranks, max_tokens, hidden, max_topk).items():
-            self.offsets[name] = total
-            total += align_up(size, ALIGN)
+        self.offsets, total = region_offsets(_region_bytes(self.num_ranks, max_tokens, hidden, max_topk), ALIGN)
         self.nbytes = total
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
@@ -759,7 +757,7 @@ class NvlinkTransport:
     @staticmethod
     def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
-        return sum(align_up(size, ALIGN) for size in _region_bytes(num_ranks, max_tokens, hidden, max_topk).values())
+        return region_offsets(_region_bytes(num_ranks, max_tokens, hidden, max_topk), ALIGN)[1]
 
     # -- status ---------------------------------------------------------------------------------------
 
