@@ -1,7 +1,7 @@
 """Tokens per program step of the NVLink transport's kernels (``tokens_per_step`` for the dispatch,
-``combine_tokens_per_step`` for the combine), replayed from CUDA graphs on 2 GPUs, DeepSeek-V3 shape, with the copy
-engines moving the bulk (``bulk="copy_engine"``, dispatch share 0.7, every combine row), and warps per program
-(``num_warps``). Picks the defaults.
+``quantize_tokens_per_step`` for one that quantizes, ``combine_tokens_per_step`` for the combine; one value for
+all three per row), replayed from CUDA graphs on 2 GPUs, DeepSeek-V3 shape, with the copy engines moving the bulk
+(``bulk="copy_engine"``, the default shares), and warps per program (``num_warps``). Picks the defaults.
 
     PYTHONPATH=src python3 bench/ep_steps.py --comm-sms 20
 
@@ -49,7 +49,7 @@ def worker(rank, world, port, args, queue):
     for P in args.comm_sms:
         tr.num_sms = P
         for tb, warps in [(tb, w) for tb in args.steps for w in args.warps]:
-            tr.tokens_per_step = tr.combine_tokens_per_step = tb
+            tr.tokens_per_step = tr.combine_tokens_per_step = tr.quantize_tokens_per_step = tb
             tr.num_warps = warps
             row = {"comm_sms": P, "tokens_per_step": tb, "num_warps": warps,
                    "dispatch_bf16_us": replayed_us(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,

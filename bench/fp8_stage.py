@@ -48,7 +48,7 @@ def setup(T, H, E, K, R=2):
                 offsets=offsets, num_local=num_local, in_rank=in_rank, R=R)
 
 
-def stage_launch(s, programs, tb, warps, quantize):
+def stage_launch(s, programs, tb, warps, quantize, qg=8):
     from smsplit.ep import nvlink
 
     x, o, R = s["x"], s["offsets"], s["R"]
@@ -62,14 +62,16 @@ def stage_launch(s, programs, tb, warps, quantize):
         int(1e9), o["cx"], 0, T,
         X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False,
         HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * x_bytes // 16), GROUPS=nvlink._pow2(H // 128),
-        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, TRACE=False, trace_ptr=s["layout"], trace_tag=0,
+        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=qg, TRACE=False, trace_ptr=s["layout"], trace_tag=0,
         num_warps=warps)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--programs", type=int, nargs="+", default=[20])
-    parser.add_argument("--steps", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--groups", type=int, nargs="+", default=[8],
+                        help="groups of 128 values quantized at a time (quantize_groups_per_step)")
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--once", action="store_true", help="one staging launch per config (for ncu), no timing")
@@ -81,7 +83,7 @@ def main():
     rows = []
     if args.once:
         for _ in range(4):  # (launch 4 of the first config is the one ncu --launch-skip 3 takes)
-            stage_launch(s, args.programs[0], args.steps[0], args.warps[0], True)
+            stage_launch(s, args.programs[0], args.steps[0], args.warps[0], True, args.groups[0])
         torch.cuda.synchronize()
         return
     from smsplit.copy import sm_copy
@@ -91,13 +93,14 @@ def main():
         copy_ms = time_ms(lambda: sm_copy(tmp, s["x"], P), warmup=3, repeat=args.reps)["median_ms"]
         rows.append({"programs": P, "kind": "sm_copy", "us": copy_ms * 1e3, "gbps": 2 * T * H * 2 / copy_ms / 1e6})
         print(f"P={P} SM copy of x: {copy_ms * 1e3:.1f} us ({rows[-1]['gbps']:.0f} GB/s read + written)", flush=True)
-        for tb, warps, quantize in [(tb, w, q) for tb in args.steps for w in args.warps for q in (True, False)]:
+        for tb, warps, quantize, qg in [(tb, w, q, g) for tb in args.steps for w in args.warps for q in (True, False)
+                                        for g in (args.groups if q else [8])]:
             # poison, then check the staged e4m3 rows against the reference quantization once
             s["buf"].fill_(0x7F)
-            stage_launch(s, P, tb, warps, quantize)
-            ms = time_ms(lambda: stage_launch(s, P, tb, warps, quantize), warmup=3, repeat=args.reps)["median_ms"]
+            stage_launch(s, P, tb, warps, quantize, qg)
+            ms = time_ms(lambda: stage_launch(s, P, tb, warps, quantize, qg), warmup=3, repeat=args.reps)["median_ms"]
             row = {"programs": P, "kind": "stage_fp8" if quantize else "stage_bf16", "tokens_per_step": tb,
-                   "num_warps": warps, "us": ms * 1e3}
+                   "num_warps": warps, "quantize_groups": qg if quantize else None, "us": ms * 1e3}
             if quantize:
                 from smsplit.fp8 import quantize_1x128
 
@@ -108,7 +111,7 @@ def main():
                 row["staged_equal"] = bool(torch.equal(staged[rows_there, :H], q[peer].view(torch.uint8)))
                 row["gbps"] = fp8_bytes / ms / 1e6
             rows.append(row)
-            print(f"P={P} TB={tb} warps={warps} {row['kind']}: {row['us']:.1f} us"
+            print(f"P={P} TB={tb} warps={warps}{f' QG={qg}' if quantize else ''} {row['kind']}: {row['us']:.1f} us"
                   + (f" ({row['gbps']:.0f} GB/s, staged rows equal: {row['staged_equal']})" if quantize else ""),
                   flush=True)
     write_result("fp8_stage", {"env": environment(),

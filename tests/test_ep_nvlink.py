@@ -24,11 +24,12 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "off_stage": "i64",
             "t_begin": "i32", "t_end": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
-            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr",
+            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "QG": "constexpr",
+            "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
     consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
               "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
-              "TRACE": False}
+              "QG": 8, "TRACE": False}
     aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
@@ -37,8 +38,8 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512),
                                    num_warps=16, aligned=aligned)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
-    # the e4m3 rows go out in 16-byte stores, not one byte at a time
-    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
+    # the e4m3 rows go out in 8-byte stores of the bytes each thread quantized, not one byte at a time
+    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
     # bounded waits: for the peers' arrivals, and for this rank's copies to land before it fills their holes
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
@@ -48,10 +49,13 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
                                    num_warps=16, aligned=aligned)
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 3
     # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
-    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True)
+    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True, TB=8)  # (its default TB)
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
+    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] not in text
+    # quantized in chunks of 8-byte vectors: the bytes stay with the thread that made them (packing 16-byte
+    # vectors took a shared-memory round trip and barriers per step: 6 bar.sync in all)
+    assert text.count("bar.sync") <= 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, fp8, num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] in text
     # its last launch waits for arrivals and the peers' copies, not for its own copies (hole fillers were staged)

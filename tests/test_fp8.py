@@ -179,3 +179,18 @@ def test_e4m3_v4_words_are_the_bytes_of_each_vector():
     done = subprocess.run([sys.executable, "-c", _WORDS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("EQUAL"), done.stdout
+
+
+def test_chunked_quantization_of_the_dispatch_puts_each_byte_in_place_interpreted():
+    # Triton's CPU interpreter runs the chunk loop of the NVLink dispatch's quantization (no inline PTX in it)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(here.parent / "src"))
+    result = subprocess.run([sys.executable, str(here / "interpreted_quantize_chunk.py")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

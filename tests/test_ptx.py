@@ -23,6 +23,15 @@ def _copy_v4(src, dst, n_vec, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _copy_v2(src, dst, n_vec, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_vec
+    w0 = tl.load(src + 2 * offs, mask=mask)
+    w1 = tl.load(src + 2 * offs + 1, mask=mask)
+    ptx.st_global_na_v2(dst + 2 * offs, w0, w1, mask)
+
+
+@triton.jit
 def _copy_v4_evict_first(src, dst, n_vec, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_vec
@@ -53,6 +62,10 @@ def compiled():
             _copy_v4, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
         ),
+        "copy_v2": ptx.compile_for_sm90(
+            _copy_v2, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": 256},
+        ),
         "copy_v4_evict_first": ptx.compile_for_sm90(
             _copy_v4_evict_first, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
@@ -66,6 +79,7 @@ KERNEL_OF = {
     "globaltimer": "where_when",
     "ld_global_nc_v4": "copy_v4",
     "st_global_na_v4": "copy_v4",
+    "st_global_na_v2": "copy_v2",
     "ld_global_nc_v4_evict_first": "copy_v4_evict_first",
     "st_global_na_v4_evict_first": "copy_v4_evict_first",
     "ld_acquire_gpu": "flags",

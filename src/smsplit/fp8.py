@@ -158,6 +158,20 @@ if triton is not None:
         return w0, w1, w2, w3
 
     @triton.jit
+    def e4m3_v2_words(q, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        """The bytes of e4m3 ``q`` (``[ROWS, GROUPS, 128]``) as the two int32 words of each 8-byte vector:
+        ``(w0, w1)``, each ``[ROWS, GROUPS * 16]``, vector ``v`` of a row holding bytes ``8 v .. 8 v + 7``, for one
+        8-byte store per vector (``smsplit.ptx.st_global_na_v2``). Unlike `e4m3_v4_words` the bytes of a vector are
+        those a thread loads from a bf16 row in one 16-byte load, so nothing moves between threads."""
+        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (ROWS, GROUPS * 16, 2, 2, 2))
+        even, odd = tl.split(b)  # byte 0/2 of each word, byte 1/3
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2]
+        w0, w1 = tl.split(words)
+        return w0, w1
+
+    @triton.jit
     def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,
                               BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr):
         # Program (i, j) quantizes tile column j of rows [i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS).

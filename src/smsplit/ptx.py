@@ -67,6 +67,27 @@ def ld_global_nc_v4(ptr, mask):
 
 
 @triton.jit
+def st_global_na_v2(ptr, w0, w1, mask):
+    """8-byte store that does not allocate in L1 (``st.global.L1::no_allocate.v2.b32``): for words a thread holds
+    two of, where gathering four would cost a trip through shared memory. Returns a dummy int32 block."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $4, 0;
+        mov.b32 $0, 0;
+        @p st.global.L1::no_allocate.v2.b32 [$1], {$2, $3};
+        }
+        """,
+        "=r,l,r,r,r",
+        [ptr, w0, w1, tl.cast(mask, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def st_global_na_v4(ptr, w0, w1, w2, w3, mask):
     """16-byte store that does not allocate in L1 (``st.global.L1::no_allocate.v4.b32``).
     Returns a dummy int32 block (inline asm needs an output)."""
@@ -258,6 +279,7 @@ INSTRUCTIONS = {
     "globaltimer": "%globaltimer",
     "ld_global_nc_v4": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
     "st_global_na_v4": "st.global.L1::no_allocate.v4.b32",
+    "st_global_na_v2": "st.global.L1::no_allocate.v2.b32",
     "ld_global_nc_v4_evict_first": "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32",
     "st_global_na_v4_evict_first": "st.global.L1::no_allocate.L2::cache_hint.v4.b32",
     "ld_acquire_gpu": "ld.acquire.gpu.global.b32",

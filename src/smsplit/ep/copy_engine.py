@@ -166,7 +166,7 @@ def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, do
             t = t0 + tl.arange(0, TB)
             w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
                 t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
-                X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
+                X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB, True)
             for d in range(R):
                 p = _column(pos, cols, d)
                 ok = (p >= 0)[:, None]

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
@@ -210,19 +210,22 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
 def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
                 X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                 HAS_WEIGHTS: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr,
-                RP: tl.constexpr, TB: tl.constexpr):
+                RP: tl.constexpr, TB: tl.constexpr, ROWS: tl.constexpr):
     """What a dispatch sends of tokens ``t`` (``[TB]``, ``tmask``), shared by both transports: each row as the four
     int32 words of its 16-byte vectors (``[TB, VEC]`` each, ``X_BYTES`` per element; with QUANTIZE, x is bf16 and is
     quantized here to e4m3 with one scale per 128 values, bit for bit `smsplit.fp8.quantize_1x128`), the scales
     ``[TB, GROUPS]``, top-k ids and weights ``[TB, KP]`` and the positions ``pos`` ``[TB, RP]``; what the flags
-    leave out is a placeholder."""
+    leave out is a placeholder (not ROWS: the rows and their scales, which the caller quantizes in chunks)."""
     t64 = t.to(tl.int64)[:, None]
     n_groups = H // 128
     grp = tl.arange(0, GROUPS)[None, :]
     k = tl.arange(0, KP)[None, :]
     cols = tl.arange(0, RP)[None, :]
     scale = tl.zeros((TB, GROUPS), dtype=tl.float32)
-    if QUANTIZE:
+    if not ROWS:
+        w0 = tl.zeros((TB, VEC), dtype=tl.int32)
+        w1, w2, w3 = w0, w0, w0
+    elif QUANTIZE:
         g3 = tl.arange(0, GROUPS)[None, :, None]
         c3 = tl.arange(0, 128)[None, None, :]
         xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < n_groups),
@@ -246,32 +249,81 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 
 @triton.jit
+def quantize_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
+    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of bf16 rows ``t64`` (``[TB, 1]``) quantized to e4m3 as
+    `load_tokens` does whole rows: the two int32 words of their 8-byte vectors (``[TB, QG * 16]`` each, vector
+    ``16 * g0 + j`` of the row: the bytes a thread made from its own 16-byte load, so no exchange between threads
+    and no barrier) and the scales ``[TB, QG]``. A row in chunks holds a few registers where a whole row holds
+    the kernel's limit."""
+    g3 = g0 + tl.arange(0, QG)[None, :, None]
+    c3 = tl.arange(0, 128)[None, None, :]
+    xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
+                 other=0.0).to(tl.float32)
+    q, scale = quantize_e4m3_groups(xf, 2)
+    w0, w1 = e4m3_v2_words(q, TB, QG)
+    return w0, w1, scale
+
+
+@triton.jit
+def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, dest_base, stage_base, off_x,
+                     STAGE: tl.constexpr, RP: tl.constexpr, V2: tl.constexpr):
+    """Store vectors ``v`` (``[1, n]``; 16-byte words ``w0..w3``, V2: 8-byte ``w0, w1``) of the rows of tokens ``t``
+    that fill holes (`_store_hole_fillers`)."""
+    cols = tl.arange(0, RP)
+    for d in tl.static_range(RP):
+        p = _column(pos, cols, d)
+        m = _pick(copied, cols, d)
+        hole = ((p >= 0) & (p < m) & (t >= m))[:, None]
+        row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
+        if STAGE:
+            base = stage_base
+        else:
+            base = _pick(dest_base, cols, d) + off_x
+        dst = (base + row * row_bytes).to(tl.pointer_type(tl.int32))
+        if V2:
+            ptx.st_global_na_v2(dst + 2 * v, w0, w1, hole & (v < row_bytes // 8))
+        else:
+            ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
+
+
+@triton.jit
 def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, stage_base, off_x,
                         pid, programs, STAGE: tl.constexpr, X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr,
-                        VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr):
+                        VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
+                        QG: tl.constexpr):
     """The rows of the tokens from ``fill_from`` on that fill holes of a copied prefix (`_prefix_plan`: token
     ``t >= copied[d]`` on a row ``p < copied[d]``), to the peer's receive rows or, with STAGE, to the same rows of this
-    rank's staging area (``stage_base``), whose copies then carry them."""
-    cols = tl.arange(0, RP)
-    vec = tl.arange(0, VEC)[None, :]
+    rank's staging area (``stage_base``), whose copies then carry them; QUANTIZE: in chunks of QG groups."""
     row_bytes = H * X_BYTES
-    vmask = vec < row_bytes // 16
     for t0 in range(fill_from + pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
             t, t < T, x_ptr, x_ptr, x_ptr, x_ptr, pos_ptr, H, 1, R,
-            X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB)
-        for d in range(R):
-            p = _column(pos, cols, d)
-            m = _pick(copied, cols, d)
-            hole = ((p >= 0) & (p < m) & (t >= m))[:, None]
-            row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
-            if STAGE:
-                base = stage_base
-            else:
-                base = _pick(dest_base, cols, d) + off_x
-            ptx.st_global_na_v4((base + row * row_bytes).to(tl.pointer_type(tl.int32)) + 4 * vec, w0, w1, w2, w3,
-                                hole & vmask)
+            X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
+        if QUANTIZE:
+            for g0 in range(0, H // 128, QG):
+                q0, q1, _ = quantize_chunk(x_ptr, t.to(tl.int64)[:, None], t < T, g0, H, QG, TB)
+                _store_hole_rows(t, pos, 16 * g0 + tl.arange(0, QG * 16)[None, :], q0, q1, q0, q1, row_bytes, copied,
+                                 dest_start, dest_base, stage_base, off_x, STAGE, RP, True)
+        else:
+            _store_hole_rows(t, pos, tl.arange(0, VEC)[None, :], w0, w1, w2, w3, row_bytes, copied, dest_start,
+                             dest_base, stage_base, off_x, STAGE, RP, False)
+
+
+@triton.jit
+def _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage, row_bytes, STAGE: tl.constexpr):
+    """Where the x rows of tokens ``t`` go on destination d (``[TB, 1]`` int32 pointers: its receive rows, or with
+    STAGE a peer's rows in this rank's staging area, same rows) and whether the kernel stores them (``[TB, 1]``):
+    not those the copy engines move (positions below ``copied[d]``) but, with STAGE, all but the hole fillers'."""
+    dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
+    if STAGE:
+        staged = (_pick(dest_base, cols, rank) + off_stage + row * row_bytes).to(tl.pointer_type(tl.int32))
+        dst = tl.where(d != rank, staged, dst)
+    m = _pick(copied, cols, d)
+    keep = p >= m
+    if STAGE:
+        keep = keep | (t < m)
+    return dst, keep[:, None]
 
 
 @triton.jit
@@ -290,10 +342,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                    TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                    TB: tl.constexpr, QG: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
-    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128.
+    x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128, QG groups of 128 at a
+    time (`quantize_chunk`).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
     ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens from ``fill_from``
@@ -330,27 +383,22 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         if (t_begin == 0) & (fill_from < T):  # first, the hole fillers: the first copies carry their rows
             _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
                                 _pick(dest_base, cols, rank) + off_stage, off_x, pid, programs, True, X_BYTES,
-                                QUANTIZE, VEC, GROUPS, KP, RP, TB)
+                                QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
     for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
             t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
-            X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB)
-        for d in range(R):
+            X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
+        for d in tl.static_range(RP):  # unrolled: d is a constant, the picks are selects
             p = _column(pos, cols, d)
             ok = (p >= 0)[:, None]
             row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
             base = _pick(dest_base, cols, d)
-            dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-            if STAGE:  # a peer's row to this rank's staging area, same row
-                staged = (_pick(dest_base, cols, rank) + off_stage + row * row_bytes).to(tl.pointer_type(tl.int32))
-                dst = tl.where(d != rank, staged, dst)
-            m = _pick(copied, cols, d)
-            keep = p >= m
-            if STAGE:  # every row but the hole fillers' (t >= m, p < m) is staged
-                keep = keep | (t < m)
-            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & keep[:, None] & vmask)
-            if QUANTIZE or HAS_SCALES:
+            if not QUANTIZE:
+                dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage, row_bytes,
+                                   STAGE)
+                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & keep & vmask)
+            if HAS_SCALES:
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 tl.store(dst_s + grp, scale, mask=ok & gmask)
             if HAS_TOPK:
@@ -361,6 +409,22 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 tl.store(dst_w + k, weights, mask=ok & kmask)
             dst_i = (base + off_src + row * 4).to(tl.pointer_type(tl.int32))
             tl.store(dst_i, t[:, None], mask=ok)
+        if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
+            t64 = t.to(tl.int64)[:, None]
+            for g0 in range(0, n_groups, QG):
+                q0, q1, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, QG, TB)
+                v = 16 * g0 + tl.arange(0, QG * 16)[None, :]  # 8-byte vectors
+                g = g0 + tl.arange(0, QG)[None, :]
+                for d in tl.static_range(RP):
+                    p = _column(pos, cols, d)
+                    ok = (p >= 0)[:, None]
+                    row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
+                    base = _pick(dest_base, cols, d)
+                    dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
+                                       row_bytes, STAGE)
+                    ptx.st_global_na_v2(dst + 2 * v, q0, q1, ok & keep & (v < row_bytes // 8))
+                    dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(dst_s + g, qscale, mask=ok & (g < n_groups))
     if SYNC and not STAGE:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
@@ -370,7 +434,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
             tl.debug_barrier()
             _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
-                                programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB)
+                                programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
         own = tl.load(bases_ptr + rank)
@@ -661,6 +725,8 @@ class NvlinkTransport:
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
         self.stage_chunks = 4
+        self.quantize_tokens_per_step = 8  # a dispatch that quantizes: tokens per step, and groups of 128 values
+        self.quantize_groups_per_step = 8  # quantized at a time
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -938,7 +1004,9 @@ class NvlinkTransport:
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
                 STAGE=staged, SYNC=sync, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
-                KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
+                KP=_pow2(max(K, 1)), RP=_pow2(R),
+                TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
+                TRACE=trace is not None,
                 trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
 
