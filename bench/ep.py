@@ -80,6 +80,8 @@ def worker(rank, world, port, args, queue):
                                                            max_tokens=T, hidden=H, max_topk=K, timeout_s=60,
                                                            bulk="copy_engine", copy_share=args.copy_share,
                                                            combine_copy_share=args.combine_copy_share)
+    for tr in transports.values():
+        tr.quantize_tokens_per_step, tr.quantize_groups_per_step = args.quantize_step
     if "copy_engine" in args.transports:
         transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
                                                         max_tokens=T, hidden=H, max_topk=K,
@@ -311,6 +313,8 @@ def main():
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
+    parser.add_argument("--quantize-step", type=int, nargs=2, default=[16, 8], metavar=("TOKENS", "GROUPS"),
+                        help="nvlink FP8 dispatch: tokens per step and groups of 128 values quantized at a time")
     parser.add_argument("--copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a dispatch's rows the copy engines move (eager rows)")
     parser.add_argument("--combine-copy-share", type=float, default=1.0,

@@ -144,6 +144,16 @@ def test_triton_matches_reference_on_gpu(dtype, shape):
     assert torch.equal(scales, ref_scales)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_matches_reference_on_special_values_on_gpu(dtype):
+    x = _special_rows(2048, "cuda").to(dtype)
+    x_fp8, scales = fp8.quantize_1x128_triton(x)
+    ref_fp8, ref_scales = fp8.quantize_1x128(x)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+
+
 _WORDS_SCRIPT = r"""
 import torch, triton, triton.language as tl
 from smsplit.fp8 import e4m3_v4_words
@@ -181,16 +191,53 @@ def test_e4m3_v4_words_are_the_bytes_of_each_vector():
     assert done.stdout.strip().endswith("EQUAL"), done.stdout
 
 
-def test_chunked_quantization_of_the_dispatch_puts_each_byte_in_place_interpreted():
-    # Triton's CPU interpreter runs the chunk loop of the NVLink dispatch's quantization (no inline PTX in it)
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def _special_rows(hidden, device):
+    """bf16 rows with random values and, in their first groups, what a quantizer gets wrong: a NaN, an inf, all
+    zeros, values below the amax floor, bf16 subnormals, the largest bf16, negative zeros, one large outlier."""
+    torch.manual_seed(11)
+    x = (torch.randn(9, hidden, device=device) * torch.logspace(-4, 4, 9, device=device)[:, None]).to(torch.bfloat16)
+    specials = [float("nan"), float("inf"), 0.0, 3e-5, 1e-39, 3.38e38, -0.0, -6e4]
+    for i, value in enumerate(specials):
+        g = i % (hidden // 128)
+        group = x[i, 128 * g:128 * (g + 1)]
+        if value in (0.0, 3e-5, 1e-39, -0.0):
+            group.fill_(value)
+        else:
+            group[5] = value
+    return x
 
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(here.parent / "src"))
-    result = subprocess.run([sys.executable, str(here / "interpreted_quantize_chunk.py")], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,tokens_per_step,groups_per_step,dtype", [
+    (7168, 8, 16, torch.bfloat16), (7168, 4, 8, torch.bfloat16), (2048, 16, 8, torch.bfloat16),
+    (384, 2, 4, torch.bfloat16), (2048, 8, 8, torch.float32), (384, 4, 4, torch.float16)])
+def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, tokens_per_step, groups_per_step, dtype):
+    """`smsplit.ep.nvlink.quantize_chunk` (packed words, inline PTX), as the dispatch runs it, chunk by chunk with
+    a masked last chunk and masked tokens, against `quantize_1x128`: every byte and every scale."""
+    import triton
+    import triton.language as tl
+
+    from smsplit import ptx
+    from smsplit.ep.nvlink import load_chunk, quantize_chunk
+
+    @triton.jit
+    def chunked_rows(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, TB: tl.constexpr, QG: tl.constexpr):
+        t = tl.program_id(0) * TB + tl.arange(0, TB)
+        t64 = t.to(tl.int64)[:, None]
+        for g0 in range(0, H // 128, QG):
+            w0, w1, w2, w3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
+            q0, q1, scale = quantize_chunk(x_ptr, t64, t < T, g0, H, w0, w1, w2, w3, QG, TB)
+            v = 16 * g0 + tl.arange(0, QG * 16)[None, :]
+            ptx.st_global_na_v2(q_ptr + t64 * (H // 4) + 2 * v, q0, q1, (t < T)[:, None] & (v < H // 8))
+            g = g0 + tl.arange(0, QG)[None, :]
+            tl.store(s_ptr + t64 * (H // 128) + g, scale, mask=(t < T)[:, None] & (g < H // 128))
+
+    x = _special_rows(hidden, "cuda").to(dtype)  # fp32 and fp16 x: quantized as fp32 values
+    words = torch.full((x.size(0) + 1, hidden // 4), -1, dtype=torch.int32, device="cuda")  # one row past the end
+    scales = torch.full((x.size(0) + 1, hidden // 128), -1.0, device="cuda")
+    chunked_rows[(triton.cdiv(x.size(0), tokens_per_step),)](x, words, scales, x.size(0), H=hidden,
+                                                               TB=tokens_per_step, QG=groups_per_step, num_warps=16)
+    ref_fp8, ref_scales = fp8.quantize_1x128(x)
+    assert torch.equal(words[:-1].view(torch.uint8), ref_fp8.view(torch.uint8))
+    assert torch.equal(scales[:-1].view(torch.int32), ref_scales.view(torch.int32))  # NaN scales too, bit for bit
+    assert (words[-1] == -1).all() and (scales[-1] == -1).all()

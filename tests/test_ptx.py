@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.fp8 import quantize_e4m3_bf16_vectors
 
 
 @triton.jit
@@ -40,6 +41,17 @@ def _copy_v4_evict_first(src, dst, n_vec, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _quantize_vectors(src, dst, scales, GROUPS: tl.constexpr):
+    # one row of GROUPS * 128 bf16 values, as smsplit.ep.nvlink's dispatch quantizes it
+    g = tl.arange(0, GROUPS)[None, :, None]
+    c = tl.arange(0, 16)[None, None, :]
+    w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + g * 64 + 4 * c, c < 16)
+    q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
+    ptx.st_global_na_v2(dst + g * 32 + 2 * c, q0, q1, c < 16)
+    tl.store(scales + tl.arange(0, GROUPS)[None, :], scale)
+
+
+@triton.jit
 def _flags(flag, out):
     ptx.st_release_gpu(flag, 1)
     ptx.st_release_sys(flag + 1, 2)
@@ -71,6 +83,10 @@ def compiled():
             {"BLOCK": 256},
         ),
         "flags": ptx.compile_for_sm90(_flags, {"flag": "*i32", "out": "*i32"}),
+        "quantize": ptx.compile_for_sm90(
+            _quantize_vectors, {"src": "*i32", "dst": "*i32", "scales": "*fp32", "GROUPS": "constexpr"},
+            {"GROUPS": 8},
+        ),
     }
 
 
@@ -91,6 +107,8 @@ KERNEL_OF = {
     "fence_acq_rel_sys": "flags",
     "fence_acq_rel_gpu": "flags",
     "wait_geq_sys": "flags",
+    "bf16x8_absmax_bits": "quantize",
+    "e4m3x4_from_bf16x4": "quantize",
 }
 
 

@@ -126,17 +126,24 @@ def dequantize_128x128(w_fp8: torch.Tensor, scales: torch.Tensor,
 try:
     import triton
     import triton.language as tl
+
+    from smsplit import ptx
 except ImportError:  # CPU-only installs without Triton use the torch reference everywhere
     triton = None
 
 if triton is not None:
     @triton.jit
+    def _max_keeping_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
     def quantize_e4m3_groups(x, axis: tl.constexpr):
         """FP8 e4m3 values and fp32 scales of fp32 ``x``, one scale per slice along ``axis``: amax floored at
-        1e-4, scale = amax / 448, IEEE divisions (Triton's `/` on fp32 is approximate), so that the result is
-        bit-identical to the torch reference `quantize_1x128`. The one home of this math for every kernel that
-        quantizes (this module's, and the EP dispatch kernels that quantize on the way out)."""
-        amax = tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-4)
+        1e-4, scale = amax / 448, IEEE divisions (Triton's `/` on fp32 is approximate), a NaN kept (a group
+        holding one gets a NaN scale), so that the result is bit-identical to the torch reference
+        `quantize_1x128`. The one home of this math for every kernel that quantizes fp32 values (this module's,
+        and the EP dispatch kernels for non-bf16 x); `quantize_e4m3_bf16_vectors` is the same on packed bf16."""
+        amax = tl.maximum(tl.reduce(tl.abs(x), axis, _max_keeping_nan), 1e-4, propagate_nan=tl.PropagateNan.ALL)
         fp8_max = tl.full(amax.shape, 448.0, tl.float32)
         q = (x * tl.expand_dims(tl.math.div_rn(fp8_max, amax), axis)).to(tl.float8e4nv)
         return q, tl.math.div_rn(amax, fp8_max)
@@ -170,6 +177,19 @@ if triton is not None:
         words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2]
         w0, w1 = tl.split(words)
         return w0, w1
+
+    @triton.jit
+    def quantize_e4m3_bf16_vectors(w0, w1, w2, w3):
+        """`quantize_e4m3_groups` for bf16 values as 16-byte loads hold them: words ``w0..w3`` (``[ROWS, GROUPS, 16]``
+        each, two values per word; the last axis the 16 vectors of a group of 128), quantized on packed words
+        (`smsplit.ptx.bf16x8_absmax_bits`, `smsplit.ptx.e4m3x4_from_bf16x4`) with the same math, bit for bit:
+        the two int32 words of e4m3 bytes of each vector (``[ROWS, GROUPS, 16]`` each, bytes in the values' order) and
+        the scales (``[ROWS, GROUPS]``). A NaN in a group makes its scale NaN, as in the torch reference."""
+        amax_bits = tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2)
+        amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), 1e-4, propagate_nan=tl.PropagateNan.ALL)
+        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
+        inv = tl.math.div_rn(fp8_max, amax)[:, :, None]
+        return ptx.e4m3x4_from_bf16x4(w0, w1, inv), ptx.e4m3x4_from_bf16x4(w2, w3, inv), tl.math.div_rn(amax, fp8_max)
 
     @triton.jit
     def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,

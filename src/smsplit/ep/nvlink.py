@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vectors, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
@@ -249,19 +249,41 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 
 @triton.jit
-def quantize_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
-    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of bf16 rows ``t64`` (``[TB, 1]``) quantized to e4m3 as
-    `load_tokens` does whole rows: the two int32 words of their 8-byte vectors (``[TB, QG * 16]`` each, vector
-    ``16 * g0 + j`` of the row: the bytes a thread made from its own 16-byte load, so no exchange between threads
-    and no barrier) and the scales ``[TB, QG]``. A row in chunks holds a few registers where a whole row holds
-    the kernel's limit."""
-    g3 = g0 + tl.arange(0, QG)[None, :, None]
-    c3 = tl.arange(0, 128)[None, None, :]
-    xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
-                 other=0.0).to(tl.float32)
-    q, scale = quantize_e4m3_groups(xf, 2)
-    w0, w1 = e4m3_v2_words(q, TB, QG)
-    return w0, w1, scale
+def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
+    """The 16-byte vectors of groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a
+    bf16 x, as four int32 words ``[TB, QG, 16]`` each (zeros past the row or for masked tokens), for
+    `quantize_chunk`; a dispatch loads the next chunk before it quantizes this one, so that the load's latency
+    hides behind the arithmetic. Placeholders for other dtypes, which `quantize_chunk` loads itself."""
+    c3 = tl.arange(0, 16)[None, None, :]  # the 16-byte vectors of a group
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        g3 = g0 + tl.arange(0, QG)[None, :, None]
+        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 4 * c3
+        w0, w1, w2, w3 = ptx.ld_global_nc_v4(words, tmask[:, None, None] & (g3 < H // 128) & (c3 < 16))
+    else:
+        w0 = tl.zeros((TB, QG, 16), dtype=tl.int32)
+        w1, w2, w3 = w0, w0, w0
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def quantize_chunk(x_ptr, t64, tmask, g0, H, w0, w1, w2, w3, QG: tl.constexpr, TB: tl.constexpr):
+    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of x quantized to e4m3, bit for
+    bit `smsplit.fp8.quantize_1x128`: the two int32 words of their 8-byte vectors (``[TB, QG * 16]`` each, vector
+    ``16 * g0 + j`` of the row) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk` loaded it
+    (``w0..w3``) and is quantized on packed words, each thread the eight values of its own 16-byte load
+    (`smsplit.fp8.quantize_e4m3_bf16_vectors`: nothing moves between threads but the group maxima); other dtypes
+    (fp32, fp16) are loaded here and quantized as fp32 values."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
+        q0, q1 = tl.reshape(q0, (TB, QG * 16)), tl.reshape(q1, (TB, QG * 16))
+    else:
+        g3 = g0 + tl.arange(0, QG)[None, :, None]
+        c3 = tl.arange(0, 128)[None, None, :]
+        xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
+                     other=0.0).to(tl.float32)
+        q, scale = quantize_e4m3_groups(xf, 2)
+        q0, q1 = e4m3_v2_words(q, TB, QG)
+    return q0, q1, scale
 
 
 @triton.jit
@@ -301,8 +323,10 @@ def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, 
             t, t < T, x_ptr, x_ptr, x_ptr, x_ptr, pos_ptr, H, 1, R,
             X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
         if QUANTIZE:
+            t64 = t.to(tl.int64)[:, None]
             for g0 in range(0, H // 128, QG):
-                q0, q1, _ = quantize_chunk(x_ptr, t.to(tl.int64)[:, None], t < T, g0, H, QG, TB)
+                c0, c1, c2, c3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
+                q0, q1, _ = quantize_chunk(x_ptr, t64, t < T, g0, H, c0, c1, c2, c3, QG, TB)
                 _store_hole_rows(t, pos, 16 * g0 + tl.arange(0, QG * 16)[None, :], q0, q1, q0, q1, row_bytes, copied,
                                  dest_start, dest_base, stage_base, off_x, STAGE, RP, True)
         else:
@@ -411,8 +435,11 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
+            n0, n1, n2, n3 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB)
             for g0 in range(0, n_groups, QG):
-                q0, q1, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, QG, TB)
+                c0, c1, c2, c3 = n0, n1, n2, n3
+                n0, n1, n2, n3 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB)  # the next chunk, in flight
+                q0, q1, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, c0, c1, c2, c3, QG, TB)
                 v = 16 * g0 + tl.arange(0, QG * 16)[None, :]  # 8-byte vectors
                 g = g0 + tl.arange(0, QG)[None, :]
                 for d in tl.static_range(RP):
@@ -725,7 +752,7 @@ class NvlinkTransport:
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
         self.stage_chunks = 4
-        self.quantize_tokens_per_step = 8  # a dispatch that quantizes: tokens per step, and groups of 128 values
+        self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
