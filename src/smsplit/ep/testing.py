@@ -12,6 +12,7 @@ leave the group's connections in an unknown state.
 import atexit
 import os
 import queue
+import random
 import socket
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
@@ -20,9 +21,20 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous. Taken below the kernel's
+    ephemeral range (``ip_local_port_range``, 32768-60999 by default), where NCCL's and gloo's own sockets get
+    their ports: a port the kernel handed out as ephemeral can be handed out again, to one of those sockets,
+    between this check and the rendezvous (the EADDRINUSE a GPU test run once hit)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port between 20000 and 32000 on 127.0.0.1")
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results) -> None:
