@@ -8,7 +8,9 @@ chunk with `smsplit.fp8.quantize_e4m3_bf16_vectors` (what the dispatch uses) and
 * ``smem``: ``tl.load`` in a ``tl.range(num_stages=S)`` loop: Triton keeps S - 1 chunks in flight through shared
   memory (cp.async), few registers;
 * ``regs``: `smsplit.ep.nvlink.load_chunk` (16-byte ``ld.global.nc``), the next chunk loaded into registers
-  while this one is quantized, as the dispatch does.
+  while this one is quantized, as the dispatch does;
+* ``tma``: the chunks loaded by the Hopper tensor memory accelerator (a tensor descriptor over x, the loop
+  pipelined by Triton over S shared-memory buffers); ``tma_io``: the e4m3 rows stored by TMA as well.
 
 Every configuration's output is checked against `smsplit.fp8.quantize_1x128` after poisoning it.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, time_ms, write_result  # noqa: E402
@@ -87,6 +90,36 @@ def quantize_rows_kernel(x_ptr, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr, TB
             _store_chunk(out_ptr, out2_ptr, s_ptr, t, g0, T, NG, H, q0, q1, scale, QG)
 
 
+@triton.jit
+def quantize_rows_tma_kernel(x_desc, out_desc, out2_desc, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr,
+                             TB: tl.constexpr, QG: tl.constexpr, STAGES: tl.constexpr, TMA_STORES: tl.constexpr):
+    """As `quantize_rows_kernel`, the chunks loaded by TMA (``x_desc``: the rows as int32 words, block
+    ``[TB, QG * 64]``) in a loop Triton pipelines over STAGES shared-memory buffers; TMA_STORES: the e4m3 words go
+    out through ``out_desc``/``out2_desc`` (block ``[TB, QG * 32]``) too."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    NG: tl.constexpr = H // 128
+    NC: tl.constexpr = (NG + QG - 1) // QG
+    mine = tl.cdiv(tl.cdiv(T, TB) - pid, programs) * NC
+    for i in tl.range(0, mine, num_stages=STAGES):
+        t0 = (pid + (i // NC) * programs) * TB
+        g0 = (i % NC) * QG
+        words = x_desc.load([t0, g0 * 64])  # rows past T and groups past the row: zeros
+        even, odd = tl.split(tl.reshape(words, (TB, QG, 16, 2, 2)))
+        w0, w2 = tl.split(even)
+        w1, w3 = tl.split(odd)
+        q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
+        t = t0 + tl.arange(0, TB)
+        if TMA_STORES:  # TMA drops what falls outside the rows
+            q = tl.reshape(tl.join(q0, q1), (TB, QG * 32))
+            out_desc.store([t0, g0 * 32], q)
+            out2_desc.store([t0, g0 * 32], q)
+            g2 = g0 + tl.arange(0, QG)[None, :]
+            tl.store(s_ptr + t.to(tl.int64)[:, None] * NG + g2, scale, mask=(t < T)[:, None] & (g2 < NG))
+        else:
+            _store_chunk(out_ptr, out2_ptr, s_ptr, t, g0, T, NG, H, q0, q1, scale, QG)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -106,12 +139,20 @@ def main():
     scales = torch.empty(T, H // 128, device="cuda")
     nbytes = T * H * 2 + 2 * T * H + T * (H // 128) * 4  # read bf16, write e4m3 twice, scales
     rows = []
-    configs = [("regs", None)] + [("smem", s) for s in args.stages]
+    configs = [("regs", None)] + [(mode, s) for mode in ("smem", "tma", "tma_io") for s in args.stages]
     for P, tb, qg, warps, (loads, stages) in itertools.product(args.programs, args.steps, args.groups, args.warps,
                                                                configs):
+        xd = TensorDescriptor(x.view(torch.int32), shape=[T, H // 2], strides=[H // 2, 1], block_shape=[tb, qg * 64])
+        od, od2 = (TensorDescriptor(o, shape=[T, H // 4], strides=[H // 4, 1], block_shape=[tb, qg * 32])
+                   for o in (out, out2))
+
         def launch():
-            quantize_rows_kernel[(P,)](x.view(torch.int32), out, out2, scales, T, H=H, TB=tb, QG=qg,
-                                       STAGES=stages or 1, SMEM=loads == "smem", num_warps=warps)
+            if loads.startswith("tma"):
+                quantize_rows_tma_kernel[(P,)](xd, od, od2, out, out2, scales, T, H=H, TB=tb, QG=qg, STAGES=stages,
+                                               TMA_STORES=loads == "tma_io", num_warps=warps)
+            else:
+                quantize_rows_kernel[(P,)](x.view(torch.int32), out, out2, scales, T, H=H, TB=tb, QG=qg,
+                                           STAGES=stages or 1, SMEM=loads == "smem", num_warps=warps)
 
         for t in (out, out2):
             t.fill_(-1)
@@ -124,7 +165,7 @@ def main():
         torch.cuda.synchronize()
         equal = (torch.equal(out.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(out2, out)
                  and torch.equal(scales, ref_s))
-        ms = time_ms(launch, repeat=args.reps)["median_ms"]
+        ms = time_ms(launch, repeat=args.reps, inner=5)["median_ms"]  # 5 launches queued: no host gap between
         row = {"programs": P, "tokens_per_step": tb, "groups_per_step": qg, "warps": warps, "loads": loads,
                "stages": stages, "us": ms * 1e3, "gbps": nbytes / ms / 1e6, "equal": equal}
         rows.append(row)
