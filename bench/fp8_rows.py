@@ -2,13 +2,15 @@
 no metadata, one GPU), to know what a dispatch built around it could reach.
 
 Each of ``--programs`` persistent programs walks (token step, chunk) pairs of a 4096 x 7168 bf16 x, quantizes each
-chunk with `smsplit.fp8.quantize_e4m3_bf16_vectors` (what the dispatch uses) and stores the e4m3 rows twice (a
+chunk on packed bf16 words (`smsplit.fp8`) and stores the e4m3 rows twice (a
 2-rank dispatch writes every row to two places) and the scales once. The loads come two ways:
 
 * ``smem``: ``tl.load`` in a ``tl.range(num_stages=S)`` loop: Triton keeps S - 1 chunks in flight through shared
-  memory (cp.async), few registers;
-* ``regs``: `smsplit.ep.nvlink.load_chunk` (16-byte ``ld.global.nc``), the next chunk loaded into registers
-  while this one is quantized, as the dispatch does;
+  memory (cp.async), few registers; one 16-byte vector per thread (`smsplit.fp8.quantize_e4m3_bf16_vectors`),
+  8-byte stores, as ``tma`` and ``tma_io``;
+* ``regs``: as the dispatch: `smsplit.ep.nvlink.load_chunk` (two 16-byte ``ld.global.nc`` per thread, the next
+  chunk loaded into registers while this one is quantized), `smsplit.fp8.quantize_e4m3_bf16_vector_pairs`,
+  16-byte stores;
 * ``tma``: the chunks loaded by the Hopper tensor memory accelerator (a tensor descriptor over x, the loop
   pipelined by Triton over S shared-memory buffers); ``tma_io``: the e4m3 rows stored by TMA as well.
 
@@ -36,7 +38,7 @@ from common import environment, time_ms, write_result  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
 from smsplit.ep.nvlink import load_chunk  # noqa: E402
-from smsplit.fp8 import quantize_1x128, quantize_e4m3_bf16_vectors  # noqa: E402
+from smsplit.fp8 import quantize_1x128, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_bf16_vectors  # noqa: E402
 
 
 @triton.jit
@@ -74,20 +76,27 @@ def quantize_rows_kernel(x_ptr, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr, TB
             w1, w3 = tl.split(odd)
             q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
             _store_chunk(out_ptr, out2_ptr, s_ptr, t, g0, T, NG, H, q0, q1, scale, QG)
-    else:
+    else:  # as the dispatch: two 16-byte vectors per thread, the next chunk in flight, 16-byte stores
         bf16_ptr = x_ptr.to(tl.pointer_type(tl.bfloat16))
         t = pid * TB + tl.arange(0, TB)
-        n0, n1, n2, n3 = load_chunk(bf16_ptr, t.to(tl.int64)[:, None], t < T, 0, H, QG, TB)
+        n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(bf16_ptr, t.to(tl.int64)[:, None], t < T, 0, H, QG, TB)
         for i in range(0, mine):
             t = (pid + (i // NC) * programs) * TB + tl.arange(0, TB)
             g0 = (i % NC) * QG
-            w0, w1, w2, w3 = n0, n1, n2, n3
-            j = i + 1  # the next pair, in flight while this one is quantized
+            a0, a1, a2, a3, b0, b1, b2, b3 = n0, n1, n2, n3, n4, n5, n6, n7
+            j = i + 1  # the next (step, chunk) pair, in flight while this one is quantized
             tn = (pid + (j // NC) * programs) * TB + tl.arange(0, TB)
-            n0, n1, n2, n3 = load_chunk(bf16_ptr, tn.to(tl.int64)[:, None], (tn < T) & (j < mine), (j % NC) * QG,
-                                        H, QG, TB)
-            q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
-            _store_chunk(out_ptr, out2_ptr, s_ptr, t, g0, T, NG, H, q0, q1, scale, QG)
+            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(bf16_ptr, tn.to(tl.int64)[:, None], (tn < T) & (j < mine),
+                                                        (j % NC) * QG, H, QG, TB)
+            q0, q1, q2, q3, scale = quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3)
+            t64 = t.to(tl.int64)[:, None, None]
+            g3 = g0 + tl.arange(0, QG)[None, :, None]
+            u3 = tl.arange(0, 8)[None, None, :]
+            ok = (t < T)[:, None, None] & (g3 < NG) & (u3 < 8)
+            ptx.st_global_na_v4(out_ptr + t64 * (H // 4) + g3 * 32 + 4 * u3, q0, q1, q2, q3, ok)
+            ptx.st_global_na_v4(out2_ptr + t64 * (H // 4) + g3 * 32 + 4 * u3, q0, q1, q2, q3, ok)
+            g2 = g0 + tl.arange(0, QG)[None, :]
+            tl.store(s_ptr + t.to(tl.int64)[:, None] * NG + g2, scale, mask=(t < T)[:, None] & (g2 < NG))
 
 
 @triton.jit
@@ -128,7 +137,8 @@ def main():
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--groups", type=int, nargs="+", default=[8])
     parser.add_argument("--warps", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="smem loads: num_stages")
+    parser.add_argument("--stages", type=int, nargs="*", default=[3, 4],
+                        help="num_stages of the smem and TMA loads (none: registers only)")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     T, H = args.tokens, args.hidden

@@ -37,9 +37,11 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     quant = dict(base, x_ptr="*bf16")
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512),
                                    num_warps=16, aligned=aligned)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the dispatch
-    # the e4m3 rows go out in 8-byte stores of the bytes each thread quantized, not one byte at a time
-    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
+    # FP8 quantization fused into the dispatch, on packed bf16 words
+    for name in ("bf16x8_absmax_bits", "e4m3x4_from_bf16x4"):
+        assert ptx.INSTRUCTIONS[name] in text, name
+    # the e4m3 rows go out in 16-byte stores of the bytes each thread quantized, not one byte at a time
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
     # bounded waits: for the peers' arrivals, and for this rank's copies to land before it fills their holes
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
@@ -49,12 +51,13 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
                                    num_warps=16, aligned=aligned)
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 3
     # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
-    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True, TB=8)  # (its default TB)
+    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True, TB=16)  # (its default TB)
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] not in text
-    # quantized in chunks of 8-byte vectors: the bytes stay with the thread that made them (packing 16-byte
-    # vectors took a shared-memory round trip and barriers per step: 6 bar.sync in all)
+    # each thread quantizes the 16 values of its own two loads into one 16-byte vector: no exchange of bytes
+    # between threads (packing 16-byte vectors from fp32 values took a shared-memory round trip and barriers per
+    # step: 6 bar.sync in all)
     assert text.count("bar.sync") <= 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, fp8, num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] in text

@@ -225,10 +225,10 @@ def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, toke
         t = tl.program_id(0) * TB + tl.arange(0, TB)
         t64 = t.to(tl.int64)[:, None]
         for g0 in range(0, H // 128, QG):
-            w0, w1, w2, w3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
-            q0, q1, scale = quantize_chunk(x_ptr, t64, t < T, g0, H, w0, w1, w2, w3, QG, TB)
-            v = 16 * g0 + tl.arange(0, QG * 16)[None, :]
-            ptx.st_global_na_v2(q_ptr + t64 * (H // 4) + 2 * v, q0, q1, (t < T)[:, None] & (v < H // 8))
+            a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
+            q0, q1, q2, q3, scale = quantize_chunk(x_ptr, t64, t < T, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG, TB)
+            v = 8 * g0 + tl.arange(0, QG * 8)[None, :]
+            ptx.st_global_na_v4(q_ptr + t64 * (H // 4) + 4 * v, q0, q1, q2, q3, (t < T)[:, None] & (v < H // 16))
             g = g0 + tl.arange(0, QG)[None, :]
             tl.store(s_ptr + t64 * (H // 128) + g, scale, mask=(t < T)[:, None] & (g < H // 128))
 

@@ -165,18 +165,12 @@ if triton is not None:
         return w0, w1, w2, w3
 
     @triton.jit
-    def e4m3_v2_words(q, ROWS: tl.constexpr, GROUPS: tl.constexpr):
-        """The bytes of e4m3 ``q`` (``[ROWS, GROUPS, 128]``) as the two int32 words of each 8-byte vector:
-        ``(w0, w1)``, each ``[ROWS, GROUPS * 16]``, vector ``v`` of a row holding bytes ``8 v .. 8 v + 7``, for one
-        8-byte store per vector (``smsplit.ptx.st_global_na_v2``). Unlike `e4m3_v4_words` the bytes of a vector are
-        those a thread loads from a bf16 row in one 16-byte load, so nothing moves between threads."""
-        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (ROWS, GROUPS * 16, 2, 2, 2))
-        even, odd = tl.split(b)  # byte 0/2 of each word, byte 1/3
-        b0, b2 = tl.split(even)
-        b1, b3 = tl.split(odd)
-        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2]
-        w0, w1 = tl.split(words)
-        return w0, w1
+    def _e4m3_scales_of_amax_bits(amax_bits):
+        """The multiplier (448 / amax) and the scale (amax / 448) of groups whose largest magnitude has the fp32
+        bits ``amax_bits``, with `quantize_e4m3_groups`'s floor and IEEE divisions (a NaN kept)."""
+        amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), 1e-4, propagate_nan=tl.PropagateNan.ALL)
+        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
+        return tl.math.div_rn(fp8_max, amax), tl.math.div_rn(amax, fp8_max)
 
     @triton.jit
     def quantize_e4m3_bf16_vectors(w0, w1, w2, w3):
@@ -185,11 +179,21 @@ if triton is not None:
         (`smsplit.ptx.bf16x8_absmax_bits`, `smsplit.ptx.e4m3x4_from_bf16x4`) with the same math, bit for bit:
         the two int32 words of e4m3 bytes of each vector (``[ROWS, GROUPS, 16]`` each, bytes in the values' order) and
         the scales (``[ROWS, GROUPS]``). A NaN in a group makes its scale NaN, as in the torch reference."""
-        amax_bits = tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2)
-        amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), 1e-4, propagate_nan=tl.PropagateNan.ALL)
-        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
-        inv = tl.math.div_rn(fp8_max, amax)[:, :, None]
-        return ptx.e4m3x4_from_bf16x4(w0, w1, inv), ptx.e4m3x4_from_bf16x4(w2, w3, inv), tl.math.div_rn(amax, fp8_max)
+        inv, scale = _e4m3_scales_of_amax_bits(tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2))
+        inv = inv[:, :, None]
+        return ptx.e4m3x4_from_bf16x4(w0, w1, inv), ptx.e4m3x4_from_bf16x4(w2, w3, inv), scale
+
+    @triton.jit
+    def quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3):
+        """`quantize_e4m3_bf16_vectors` with two adjacent 16-byte vectors per thread: ``a0..a3`` vector ``2 j`` of a
+        group, ``b0..b3`` vector ``2 j + 1`` (``[ROWS, GROUPS, 8]`` each). Half the threads meet in each group's
+        maximum (3 shuffle steps instead of 4, one division per 16 values instead of 8). Returns the four int32
+        words of each 16-byte e4m3 vector (the 16 values of the pair; ``[ROWS, GROUPS, 8]`` each) and the scales."""
+        bits = tl.maximum(ptx.bf16x8_absmax_bits(a0, a1, a2, a3), ptx.bf16x8_absmax_bits(b0, b1, b2, b3))
+        inv, scale = _e4m3_scales_of_amax_bits(tl.max(bits, axis=2))
+        inv = inv[:, :, None]
+        return (ptx.e4m3x4_from_bf16x4(a0, a1, inv), ptx.e4m3x4_from_bf16x4(a2, a3, inv),
+                ptx.e4m3x4_from_bf16x4(b0, b1, inv), ptx.e4m3x4_from_bf16x4(b2, b3, inv), scale)
 
     @triton.jit
     def quantize_1x128_kernel(x_ptr, x_fp8_ptr, scales_ptr, num_rows, hidden,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vectors, quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
@@ -250,47 +250,51 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 @triton.jit
 def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
-    """The 16-byte vectors of groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a
-    bf16 x, as four int32 words ``[TB, QG, 16]`` each (zeros past the row or for masked tokens), for
-    `quantize_chunk`; a dispatch loads the next chunk before it quantizes this one, so that the load's latency
-    hides behind the arithmetic. Placeholders for other dtypes, which `quantize_chunk` loads itself."""
-    c3 = tl.arange(0, 16)[None, None, :]  # the 16-byte vectors of a group
+    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a bf16 x, two adjacent
+    16-byte vectors per thread: the four int32 words of vector ``2 j`` of each group and of vector ``2 j + 1``
+    (eight blocks ``[TB, QG, 8]``; zeros past the row or for masked tokens), for `quantize_chunk`. A dispatch loads
+    the next chunk before it quantizes this one, so that the loads' latency hides behind the arithmetic.
+    Placeholders for other dtypes, which `quantize_chunk` loads itself."""
+    j3 = tl.arange(0, 8)[None, None, :]  # the pairs of 16-byte vectors of a group
     if x_ptr.dtype.element_ty == tl.bfloat16:
         g3 = g0 + tl.arange(0, QG)[None, :, None]
-        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 4 * c3
-        w0, w1, w2, w3 = ptx.ld_global_nc_v4(words, tmask[:, None, None] & (g3 < H // 128) & (c3 < 16))
+        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 8 * j3
+        ok = tmask[:, None, None] & (g3 < H // 128) & (j3 < 8)
+        a0, a1, a2, a3 = ptx.ld_global_nc_v4(words, ok)
+        b0, b1, b2, b3 = ptx.ld_global_nc_v4(words + 4, ok)
     else:
-        w0 = tl.zeros((TB, QG, 16), dtype=tl.int32)
-        w1, w2, w3 = w0, w0, w0
-    return w0, w1, w2, w3
+        a0 = tl.zeros((TB, QG, 8), dtype=tl.int32)
+        a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def quantize_chunk(x_ptr, t64, tmask, g0, H, w0, w1, w2, w3, QG: tl.constexpr, TB: tl.constexpr):
+def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG: tl.constexpr, TB: tl.constexpr):
     """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of x quantized to e4m3, bit for
-    bit `smsplit.fp8.quantize_1x128`: the two int32 words of their 8-byte vectors (``[TB, QG * 16]`` each, vector
-    ``16 * g0 + j`` of the row) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk` loaded it
-    (``w0..w3``) and is quantized on packed words, each thread the eight values of its own 16-byte load
-    (`smsplit.fp8.quantize_e4m3_bf16_vectors`: nothing moves between threads but the group maxima); other dtypes
-    (fp32, fp16) are loaded here and quantized as fp32 values."""
+    bit `smsplit.fp8.quantize_1x128`: the four int32 words of their 16-byte e4m3 vectors (``[TB, QG * 8]`` each,
+    vector ``8 * g0 + j`` of the row) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk` loaded it and is
+    quantized on packed words, each thread the sixteen values of its two loads
+    (`smsplit.fp8.quantize_e4m3_bf16_vector_pairs`: nothing moves between threads but the group maxima); other
+    dtypes (fp32, fp16) are loaded here and quantized as fp32 values."""
     if x_ptr.dtype.element_ty == tl.bfloat16:
-        q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
-        q0, q1 = tl.reshape(q0, (TB, QG * 16)), tl.reshape(q1, (TB, QG * 16))
+        q0, q1, q2, q3, scale = quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3)
+        q0, q1 = tl.reshape(q0, (TB, QG * 8)), tl.reshape(q1, (TB, QG * 8))
+        q2, q3 = tl.reshape(q2, (TB, QG * 8)), tl.reshape(q3, (TB, QG * 8))
     else:
         g3 = g0 + tl.arange(0, QG)[None, :, None]
         c3 = tl.arange(0, 128)[None, None, :]
         xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
                      other=0.0).to(tl.float32)
         q, scale = quantize_e4m3_groups(xf, 2)
-        q0, q1 = e4m3_v2_words(q, TB, QG)
-    return q0, q1, scale
+        q0, q1, q2, q3 = e4m3_v4_words(q, TB, QG)
+    return q0, q1, q2, q3, scale
 
 
 @triton.jit
 def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, dest_base, stage_base, off_x,
-                     STAGE: tl.constexpr, RP: tl.constexpr, V2: tl.constexpr):
-    """Store vectors ``v`` (``[1, n]``; 16-byte words ``w0..w3``, V2: 8-byte ``w0, w1``) of the rows of tokens ``t``
-    that fill holes (`_store_hole_fillers`)."""
+                     STAGE: tl.constexpr, RP: tl.constexpr):
+    """Store 16-byte vectors ``v`` (``[1, n]``, words ``w0..w3``) of the rows of tokens ``t`` that fill holes
+    (`_store_hole_fillers`)."""
     cols = tl.arange(0, RP)
     for d in tl.static_range(RP):
         p = _column(pos, cols, d)
@@ -302,10 +306,7 @@ def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, d
         else:
             base = _pick(dest_base, cols, d) + off_x
         dst = (base + row * row_bytes).to(tl.pointer_type(tl.int32))
-        if V2:
-            ptx.st_global_na_v2(dst + 2 * v, w0, w1, hole & (v < row_bytes // 8))
-        else:
-            ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
+        ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
 
 
 @triton.jit
@@ -325,13 +326,13 @@ def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, 
         if QUANTIZE:
             t64 = t.to(tl.int64)[:, None]
             for g0 in range(0, H // 128, QG):
-                c0, c1, c2, c3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
-                q0, q1, _ = quantize_chunk(x_ptr, t64, t < T, g0, H, c0, c1, c2, c3, QG, TB)
-                _store_hole_rows(t, pos, 16 * g0 + tl.arange(0, QG * 16)[None, :], q0, q1, q0, q1, row_bytes, copied,
-                                 dest_start, dest_base, stage_base, off_x, STAGE, RP, True)
+                a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
+                q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t64, t < T, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG, TB)
+                _store_hole_rows(t, pos, 8 * g0 + tl.arange(0, QG * 8)[None, :], q0, q1, q2, q3, row_bytes, copied,
+                                 dest_start, dest_base, stage_base, off_x, STAGE, RP)
         else:
             _store_hole_rows(t, pos, tl.arange(0, VEC)[None, :], w0, w1, w2, w3, row_bytes, copied, dest_start,
-                             dest_base, stage_base, off_x, STAGE, RP, False)
+                             dest_base, stage_base, off_x, STAGE, RP)
 
 
 @triton.jit
@@ -435,12 +436,14 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
-            n0, n1, n2, n3 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB)
+            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB)
             for g0 in range(0, n_groups, QG):
-                c0, c1, c2, c3 = n0, n1, n2, n3
-                n0, n1, n2, n3 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB)  # the next chunk, in flight
-                q0, q1, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, c0, c1, c2, c3, QG, TB)
-                v = 16 * g0 + tl.arange(0, QG * 16)[None, :]  # 8-byte vectors
+                a0, a1, a2, a3, b0, b1, b2, b3 = n0, n1, n2, n3, n4, n5, n6, n7
+                # the next chunk, in flight while this one is quantized
+                n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB)
+                q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
+                                                        QG, TB)
+                v = 8 * g0 + tl.arange(0, QG * 8)[None, :]  # 16-byte vectors
                 g = g0 + tl.arange(0, QG)[None, :]
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
@@ -449,7 +452,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     base = _pick(dest_base, cols, d)
                     dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
                                        row_bytes, STAGE)
-                    ptx.st_global_na_v2(dst + 2 * v, q0, q1, ok & keep & (v < row_bytes // 8))
+                    ptx.st_global_na_v4(dst + 4 * v, q0, q1, q2, q3, ok & keep & (v < row_bytes // 16))
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                     tl.store(dst_s + g, qscale, mask=ok & (g < n_groups))
     if SYNC and not STAGE:
