@@ -52,6 +52,12 @@ def _quantize_vectors(src, dst, scales, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _add_pairs(a, b, out, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out + i, ptx.bf16x2_add_as_fp32(tl.load(a + i), tl.load(b + i)))
+
+
+@triton.jit
 def _flags(flag, out):
     ptx.st_release_gpu(flag, 1)
     ptx.st_release_sys(flag + 1, 2)
@@ -83,6 +89,8 @@ def compiled():
             {"BLOCK": 256},
         ),
         "flags": ptx.compile_for_sm90(_flags, {"flag": "*i32", "out": "*i32"}),
+        "add_pairs": ptx.compile_for_sm90(_add_pairs, {"a": "*i32", "b": "*i32", "out": "*i32", "BLOCK": "constexpr"},
+                                          {"BLOCK": 256}),
         "quantize": ptx.compile_for_sm90(
             _quantize_vectors, {"src": "*i32", "dst": "*i32", "scales": "*fp32", "GROUPS": "constexpr"},
             {"GROUPS": 8},
@@ -109,6 +117,7 @@ KERNEL_OF = {
     "wait_geq_sys": "flags",
     "bf16x8_absmax_bits": "quantize",
     "e4m3x4_from_bf16x4": "quantize",
+    "bf16x2_add_as_fp32": "add_pairs",
 }
 
 
