@@ -137,16 +137,21 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def quantize_e4m3_groups(x, axis: tl.constexpr):
-        """FP8 e4m3 values and fp32 scales of fp32 ``x``, one scale per slice along ``axis``: amax floored at
-        1e-4, scale = amax / 448, IEEE divisions (Triton's `/` on fp32 is approximate), a NaN kept (a group
-        holding one gets a NaN scale), so that the result is bit-identical to the torch reference
-        `quantize_1x128`. The one home of this math for every kernel that quantizes fp32 values (this module's,
-        and the EP dispatch kernels for non-bf16 x); `quantize_e4m3_bf16_vectors` is the same on packed bf16."""
-        amax = tl.maximum(tl.reduce(tl.abs(x), axis, _max_keeping_nan), 1e-4, propagate_nan=tl.PropagateNan.ALL)
+    def _e4m3_scales(amax):
+        """The multiplier (448 / amax) and the scale (amax / 448) of groups whose largest magnitude is ``amax``
+        (fp32): amax floored at 1e-4 (a NaN kept), IEEE divisions (Triton's `/` on fp32 is approximate)."""
+        amax = tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL)
         fp8_max = tl.full(amax.shape, 448.0, tl.float32)
-        q = (x * tl.expand_dims(tl.math.div_rn(fp8_max, amax), axis)).to(tl.float8e4nv)
-        return q, tl.math.div_rn(amax, fp8_max)
+        return tl.math.div_rn(fp8_max, amax), tl.math.div_rn(amax, fp8_max)
+
+    @triton.jit
+    def quantize_e4m3_groups(x, axis: tl.constexpr):
+        """FP8 e4m3 values and fp32 scales of fp32 ``x``, one scale per slice along ``axis`` (`_e4m3_scales`: a
+        group holding a NaN gets a NaN scale), bit-identical to the torch reference `quantize_1x128`; for every
+        kernel that quantizes fp32 values (this module's, and the EP dispatch for non-bf16 x).
+        `quantize_e4m3_bf16_vectors` is the same on packed bf16."""
+        inv, scale = _e4m3_scales(tl.reduce(tl.abs(x), axis, _max_keeping_nan))
+        return (x * tl.expand_dims(inv, axis)).to(tl.float8e4nv), scale
 
     @triton.jit
     def e4m3_v4_words(q, ROWS: tl.constexpr, GROUPS: tl.constexpr):
@@ -165,21 +170,14 @@ if triton is not None:
         return w0, w1, w2, w3
 
     @triton.jit
-    def _e4m3_scales_of_amax_bits(amax_bits):
-        """The multiplier (448 / amax) and the scale (amax / 448) of groups whose largest magnitude has the fp32
-        bits ``amax_bits``, with `quantize_e4m3_groups`'s floor and IEEE divisions (a NaN kept)."""
-        amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), 1e-4, propagate_nan=tl.PropagateNan.ALL)
-        fp8_max = tl.full(amax.shape, 448.0, tl.float32)
-        return tl.math.div_rn(fp8_max, amax), tl.math.div_rn(amax, fp8_max)
-
-    @triton.jit
     def quantize_e4m3_bf16_vectors(w0, w1, w2, w3):
         """`quantize_e4m3_groups` for bf16 values as 16-byte loads hold them: words ``w0..w3`` (``[ROWS, GROUPS, 16]``
         each, two values per word; the last axis the 16 vectors of a group of 128), quantized on packed words
         (`smsplit.ptx.bf16x8_absmax_bits`, `smsplit.ptx.e4m3x4_from_bf16x4`) with the same math, bit for bit:
         the two int32 words of e4m3 bytes of each vector (``[ROWS, GROUPS, 16]`` each, bytes in the values' order) and
         the scales (``[ROWS, GROUPS]``). A NaN in a group makes its scale NaN, as in the torch reference."""
-        inv, scale = _e4m3_scales_of_amax_bits(tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2))
+        amax_bits = tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2)
+        inv, scale = _e4m3_scales(amax_bits.to(tl.float32, bitcast=True))
         inv = inv[:, :, None]
         return ptx.e4m3x4_from_bf16x4(w0, w1, inv), ptx.e4m3x4_from_bf16x4(w2, w3, inv), scale
 
@@ -190,7 +188,7 @@ if triton is not None:
         maximum (3 shuffle steps instead of 4, one division per 16 values instead of 8). Returns the four int32
         words of each 16-byte e4m3 vector (the 16 values of the pair; ``[ROWS, GROUPS, 8]`` each) and the scales."""
         bits = tl.maximum(ptx.bf16x8_absmax_bits(a0, a1, a2, a3), ptx.bf16x8_absmax_bits(b0, b1, b2, b3))
-        inv, scale = _e4m3_scales_of_amax_bits(tl.max(bits, axis=2))
+        inv, scale = _e4m3_scales(tl.max(bits, axis=2).to(tl.float32, bitcast=True))
         inv = inv[:, :, None]
         return (ptx.e4m3x4_from_bf16x4(a0, a1, inv), ptx.e4m3x4_from_bf16x4(a2, a3, inv),
                 ptx.e4m3x4_from_bf16x4(b0, b1, inv), ptx.e4m3x4_from_bf16x4(b2, b3, inv), scale)
