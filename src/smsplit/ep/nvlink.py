@@ -643,12 +643,18 @@ class DispatchSplit:
         copied: int32 device ``[R]``, m per rank (0 for this rank and peers the SMs serve).
         fill_from: the first token that may fill a hole (``num_tokens``: no holes).
         pos: int32 device ``[num_tokens, R]``, the rows (this rank's own column: token order).
+        host_copied, host_pos, host_send_start: ``copied`` and ``pos`` as the host computed them (numpy) and where
+            this rank's rows start on each rank (the layout's first ``R`` entries), for the FP8 staging plan
+            (`NvlinkTransport._stage_split`) without another read from the device.
     """
 
     copies: list
     copied: torch.Tensor
     fill_from: int
     pos: torch.Tensor
+    host_copied: np.ndarray
+    host_pos: np.ndarray
+    host_send_start: list
 
 
 def _share_of(share: float, n: int) -> int:
@@ -860,7 +866,7 @@ class NvlinkTransport:
                     if in_rank[: copied[d], d].sum() < copied[d]:  # holes: filled from token copied[d] on
                         fill_from = min(fill_from, int(copied[d]))
             layout.splits[key] = DispatchSplit(copies, torch.from_numpy(copied).to(self.device), fill_from,
-                                               torch.from_numpy(pos).to(self.device))
+                                               torch.from_numpy(pos).to(self.device), copied, pos, send_start)
         return layout.splits[key]
 
     def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> None:
@@ -955,9 +961,7 @@ class NvlinkTransport:
         if key not in layout.splits:
             split = self._dispatch_split(layout, is_token_in_rank)
             R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
-            send_start = layout.layout[:R].tolist()
-            pos = split.pos.cpu().numpy()
-            copied = split.copied.tolist()
+            send_start, pos, copied = split.host_send_start, split.host_pos, split.host_copied.tolist()
             bounds = [c * T // C for c in range(C + 1)]
             chunks = []
             for a, b in zip(bounds, bounds[1:]):
