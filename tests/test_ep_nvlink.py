@@ -630,3 +630,61 @@ def test_buffer_nvlink_copy_engine_replays_cached_calls_in_a_cuda_graph():
 @pytest.mark.multigpu
 def test_buffer_dispatch_and_combine_replay_in_a_cuda_graph():
     mp.spawn(_buffer_graph_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3, 4])  # 2: packed bf16 pairs; more: fp32
+def test_combine_sum_equals_fp32_sum_rounded_once(ranks):
+    """`nvlink.sum_returned_rows` on one GPU against torch's fp32 sum from +0 rounded to bf16 (what the reference
+    backend computes): rows that a token did not send (-1 positions), -0 in both rows of a token, NaN, inf,
+    subnormals, sums that round; every bit of the output, and of the rows past the tokens (left alone)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sum_kernel(pos_ptr, y_ptr, yw_ptr, cx_ptr, cw_ptr, out_ptr, out_w_ptr, T, self_start, slots, H, K,
+                   R: tl.constexpr, rank: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                   TB: tl.constexpr):
+        t = tl.program_id(0) * TB + tl.arange(0, TB)
+        nvlink.sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx_ptr, cw_ptr, slots,
+                                 out_ptr, out_w_ptr, H, K, HB, KP, RP, TB, True)
+
+    torch.manual_seed(ranks)
+    T, H, K, rank, slots, self_start = 37, 2048, 3, 1, 64, 5
+    dev = torch.device("cuda")
+    pos = torch.randint(0, slots - 1, (T, ranks), dtype=torch.int32)
+    pos[torch.rand(T, ranks) < 0.3] = -1
+    pos[0] = -1  # a token that went nowhere: zeros
+    y = (torch.randn(self_start + slots, H) * torch.logspace(-3, 3, H)).to(torch.bfloat16)
+    cx = (torch.randn(ranks * slots, H) * torch.logspace(3, -3, H)).to(torch.bfloat16)
+    specials = {1: (-0.0, -0.0), 2: (float("nan"), 1.0), 3: (float("inf"), -float("inf")), 4: (1e-40, 2e-40),
+                5: (3.0, 2.0 ** -9), 6: (float("inf"), 5.0)}
+    for t, (own, other) in specials.items():
+        pos[t] = -1
+        pos[t, rank], pos[t, (rank + 1) % ranks] = t, t
+        y[self_start + t, :64] = own
+        cx[((rank + 1) % ranks) * slots + t, :64] = other
+    yw, cw = torch.randn(self_start + slots, K), torch.randn(ranks * slots, K)
+    expected = torch.zeros(T, H)
+    expected_w = torch.zeros(T, K)
+    for t in range(T):
+        for d in range(ranks):
+            p = int(pos[t, d])
+            if p < 0:
+                continue
+            row = y[self_start + p] if d == rank else cx[d * slots + p]
+            expected[t] += row.float()
+            expected_w[t] += yw[self_start + p] if d == rank else cw[d * slots + p]
+    out = torch.full((T + 1, H), -7.0, dtype=torch.bfloat16, device=dev)  # poisoned, one row past the tokens
+    out_w = torch.full((T + 1, K), -7.0, device=dev)
+    TB = 4
+    sum_kernel[(triton.cdiv(T, TB),)](pos.to(dev), y.to(dev), yw.to(dev), cx.to(dev), cw.to(dev), out, out_w, T,
+                                      self_start, slots, H, K, R=ranks, rank=rank, HB=H, KP=4,
+                                      RP=triton.next_power_of_2(ranks), TB=TB, num_warps=8)
+    got = out[:T].cpu().view(torch.int16)
+    want = expected.to(torch.bfloat16).view(torch.int16)
+    nan = torch.isnan(expected)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.isnan(out[:T].cpu().float()[nan]).all()
+    assert torch.equal(out_w[:T].cpu(), expected_w)
+    assert (out[T] == -7.0).all() and (out_w[T] == -7.0).all()

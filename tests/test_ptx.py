@@ -52,6 +52,12 @@ def _quantize_vectors(src, dst, scales, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _add_pairs(a, b, out, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out + i, ptx.bf16x2_add_as_fp32(tl.load(a + i), tl.load(b + i)))
+
+
+@triton.jit
 def _flags(flag, out):
     ptx.st_release_gpu(flag, 1)
     ptx.st_release_sys(flag + 1, 2)
@@ -83,6 +89,8 @@ def compiled():
             {"BLOCK": 256},
         ),
         "flags": ptx.compile_for_sm90(_flags, {"flag": "*i32", "out": "*i32"}),
+        "add_pairs": ptx.compile_for_sm90(_add_pairs, {"a": "*i32", "b": "*i32", "out": "*i32", "BLOCK": "constexpr"},
+                                          {"BLOCK": 256}),
         "quantize": ptx.compile_for_sm90(
             _quantize_vectors, {"src": "*i32", "dst": "*i32", "scales": "*fp32", "GROUPS": "constexpr"},
             {"GROUPS": 8},
@@ -109,6 +117,7 @@ KERNEL_OF = {
     "wait_geq_sys": "flags",
     "bf16x8_absmax_bits": "quantize",
     "e4m3x4_from_bf16x4": "quantize",
+    "bf16x2_add_as_fp32": "add_pairs",
 }
 
 
@@ -142,3 +151,25 @@ def test_flag_ops_are_not_optimised_away(compiled):
     assert [ptx_text.count(ptx.INSTRUCTIONS[n]) for n in names] == [1, 1, 1, 1]
     order = [ptx_text.index(ptx.INSTRUCTIONS[n]) for n in names]
     assert order == sorted(order)
+
+
+def test_two_bf16_summed_and_rounded_once_is_their_fp32_sum_rounded():
+    """The premise of `ptx.bf16x2_add_as_fp32` (the combine's two-rank sum), checked on the CPU: the sum of two
+    bf16 values rounded once to bf16 (what `add.rn.bf16x2` does; here through float64, whose 53 bits round
+    innocuously) equals their fp32 sum from +0 rounded to bf16 (what the reference backend does), for random bit
+    patterns and for sums that nearly tie; the +0 start is what turns -0 + -0 into +0."""
+    import torch
+
+    torch.manual_seed(0)
+    n = 1 << 20
+    pairs = [torch.randint(-32768, 32768, (2, n), dtype=torch.int32).to(torch.int16).view(torch.bfloat16)]
+    big = (torch.randn(n) * 100).to(torch.bfloat16)
+    scale = torch.ldexp(torch.ones(n), torch.randint(-30, -5, (n,))) * (torch.randint(0, 2, (n,)) * 2 - 1)
+    pairs.append(torch.stack([big, (big.float() * scale).to(torch.bfloat16)]))
+    pairs.append(torch.tensor([[-0.0, -0.0, 0.0], [-0.0, 0.0, -0.0]], dtype=torch.bfloat16))
+    for a, b in pairs:
+        once = (torch.zeros(a.shape, dtype=torch.float64) + a.double() + b.double()).to(torch.bfloat16)
+        fp32 = (torch.zeros(a.shape) + a.float() + b.float()).to(torch.bfloat16)
+        nan = torch.isnan(once) | torch.isnan(fp32)
+        assert torch.equal(torch.isnan(once), torch.isnan(fp32))
+        assert torch.equal(once.view(torch.int16)[~nan], fp32.view(torch.int16)[~nan])

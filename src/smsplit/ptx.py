@@ -228,6 +228,29 @@ def e4m3x4_from_bf16x4(w0, w1, scale):
     )
 
 
+@triton.jit
+def bf16x2_add_as_fp32(a, b):
+    """The sum of two packed bf16 pairs (int32 words ``a``, ``b``) as an fp32 sum from +0 rounded to bf16 gives it:
+    ``(+0 + a) + b`` in ``add.rn.bf16x2``. A sum of two bf16 values rounded once to bf16 equals it rounded to fp32
+    (24 bits, at least 2 * 8 + 2) and then to bf16, and starting from +0 turns a sum of two -0 into +0 as the
+    fp32 accumulator does. Two instructions for two values where unpacking to fp32 takes four or more."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 z, t;
+        mov.b32 z, 0;
+        add.rn.bf16x2 t, z, $1;
+        add.rn.bf16x2 $0, t, $2;
+        }
+        """,
+        "=r,r,r",
+        [a, b],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
 # --- flags: acquire / release ----------------------------------------------------------------------
 
 
@@ -356,6 +379,7 @@ INSTRUCTIONS = {
     "st_global_na_v4_evict_first": "st.global.L1::no_allocate.L2::cache_hint.v4.b32",
     "bf16x8_absmax_bits": "max.u16x2",
     "e4m3x4_from_bf16x4": "cvt.rn.satfinite.e4m3x2.f32",
+    "bf16x2_add_as_fp32": "add.rn.bf16x2",
     "ld_acquire_gpu": "ld.acquire.gpu.global.b32",
     "ld_acquire_sys": "ld.acquire.sys.global.b32",
     "st_release_gpu": "st.release.gpu.global.b32",

@@ -178,7 +178,8 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
     """The sum of a combine, shared by both transports: for each token of ``t`` (``[TB]``, ``tmask``), add in
     fp32 the rows that came back from the ranks it went to (``pos[t, d] >= 0``), its own rank's from row
     ``self_start + pos[t, rank]`` of ``y``, rank d's from slot ``d * slots + pos[t, d]`` of the combine area
-    ``cx`` (weights: ``yw``, ``cw``), and store it in bf16 (weights fp32) into ``out``."""
+    ``cx`` (weights: ``yw``, ``cw``), and store it in bf16 (weights fp32) into ``out``. With two ranks (RP 2) the
+    rows are added as packed bf16 pairs, which gives the same bits as the fp32 sum rounded to bf16."""
     cols = tl.arange(0, RP)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
@@ -186,23 +187,37 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
     kmask = k < K
     t64 = t.to(tl.int64)[:, None]
     pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
-    acc = tl.zeros((TB, HB), dtype=tl.float32)
-    acc_w = tl.zeros((TB, KP), dtype=tl.float32)
-    for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
-        p = _column(pos, cols, d).to(tl.int64)[:, None]
-        ok = p >= 0
-        if d == rank:
-            row = self_start + p
-            acc += tl.load(y_bf16 + row * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
-            if HAS_WEIGHTS:
-                acc_w += tl.load(yw_ptr + row * K + k, mask=ok & kmask, other=0.0)
-        else:
-            slot = d * slots + p
-            acc += tl.load(cx + slot * H + h, mask=ok & hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if HAS_WEIGHTS:
-                acc_w += tl.load(cw + slot * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
-    tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
+    if RP == 2:  # two ranks: at most two rows per token, added as packed bf16 pairs (`ptx.bf16x2_add_as_fp32`)
+        w = tl.arange(0, HB // 2)[None, :]  # the int32 words of a row
+        wmask = w < H // 2
+        p_own = _column(pos, cols, rank).to(tl.int64)[:, None]
+        p_peer = _column(pos, cols, 1 - rank).to(tl.int64)[:, None]
+        own = tl.load(y_bf16.to(tl.pointer_type(tl.int32), bitcast=True) + (self_start + p_own) * (H // 2) + w,
+                      mask=(p_own >= 0) & wmask, other=0)
+        peer = tl.load(cx.to(tl.pointer_type(tl.int32), bitcast=True) + ((1 - rank) * slots + p_peer) * (H // 2) + w,
+                       mask=(p_peer >= 0) & wmask, other=0, cache_modifier=".cg")
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + t64 * (H // 2) + w,
+                 ptx.bf16x2_add_as_fp32(own, peer), mask=tmask[:, None] & wmask)
+    else:
+        acc = tl.zeros((TB, HB), dtype=tl.float32)
+        for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
+            p = _column(pos, cols, d).to(tl.int64)[:, None]
+            ok = p >= 0
+            if d == rank:
+                acc += tl.load(y_bf16 + (self_start + p) * H + h, mask=ok & hmask, other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(cx + (d * slots + p) * H + h, mask=ok & hmask, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
     if HAS_WEIGHTS:
+        acc_w = tl.zeros((TB, KP), dtype=tl.float32)
+        for d in range(R):
+            p = _column(pos, cols, d).to(tl.int64)[:, None]
+            ok = p >= 0
+            if d == rank:
+                acc_w += tl.load(yw_ptr + (self_start + p) * K + k, mask=ok & kmask, other=0.0)
+            else:
+                acc_w += tl.load(cw + (d * slots + p) * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
         tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
 
 
@@ -628,12 +643,18 @@ class DispatchSplit:
         copied: int32 device ``[R]``, m per rank (0 for this rank and peers the SMs serve).
         fill_from: the first token that may fill a hole (``num_tokens``: no holes).
         pos: int32 device ``[num_tokens, R]``, the rows (this rank's own column: token order).
+        host_copied, host_pos, host_send_start: ``copied`` and ``pos`` as the host computed them (numpy) and where
+            this rank's rows start on each rank (the layout's first ``R`` entries), for the FP8 staging plan
+            (`NvlinkTransport._stage_split`) without another read from the device.
     """
 
     copies: list
     copied: torch.Tensor
     fill_from: int
     pos: torch.Tensor
+    host_copied: np.ndarray
+    host_pos: np.ndarray
+    host_send_start: list
 
 
 def _share_of(share: float, n: int) -> int:
@@ -845,7 +866,7 @@ class NvlinkTransport:
                     if in_rank[: copied[d], d].sum() < copied[d]:  # holes: filled from token copied[d] on
                         fill_from = min(fill_from, int(copied[d]))
             layout.splits[key] = DispatchSplit(copies, torch.from_numpy(copied).to(self.device), fill_from,
-                                               torch.from_numpy(pos).to(self.device))
+                                               torch.from_numpy(pos).to(self.device), copied, pos, send_start)
         return layout.splits[key]
 
     def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> None:
@@ -940,9 +961,7 @@ class NvlinkTransport:
         if key not in layout.splits:
             split = self._dispatch_split(layout, is_token_in_rank)
             R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
-            send_start = layout.layout[:R].tolist()
-            pos = split.pos.cpu().numpy()
-            copied = split.copied.tolist()
+            send_start, pos, copied = split.host_send_start, split.host_pos, split.host_copied.tolist()
             bounds = [c * T // C for c in range(C + 1)]
             chunks = []
             for a, b in zip(bounds, bounds[1:]):
