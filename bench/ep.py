@@ -10,6 +10,10 @@ copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling; wit
 each peer's rows to that peer, all peers at once). Then dispatch+combine
 on a green-context comm budget while a bf16 GEMM runs on the compute budget.
 
+Graph replays, NCCL and the copy-engine copy are timed two ways: one call between two CUDA events (the
+GPU idle before it: the graph's launch latency and the ranks' skew included), and QUEUED calls between two
+events divided by QUEUED (the steady state of calls queued back to back, as in a training step).
+
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
 Writes bench/results/ep.json.
 """
@@ -29,6 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (capture_graph, concurrent_run, environment, join_nccl, routed_tokens, run_ranks,  # noqa: E402
                     time_ms, write_result)
+
+
+QUEUED = 5
 
 
 def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) -> dict:
@@ -111,9 +118,12 @@ def worker(rank, world, port, args, queue):
         torch.cuda.synchronize()
         return statistics.median(times)
 
-    def timed(fn, reps=args.reps):
+    def timed(fn, reps=args.reps, inner=1):
         dist.barrier(device_ids=[rank])
-        return time_ms(fn, warmup=3, repeat=reps)["median_ms"]
+        return time_ms(fn, warmup=3, repeat=reps, inner=inner)["median_ms"]
+
+    def queued(fn):  # QUEUED calls between two events, divided: no launch latency or rank skew per call
+        return timed(fn, inner=QUEUED)
 
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
     layouts = {"nvlink": layout}
@@ -188,6 +198,7 @@ def worker(rank, world, port, args, queue):
         row["roundtrip_equal"] = {k: bool(_max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
+            row[key + "_graph_queued_ms"] = _max_over_ranks(queued(graph.replay), dev)
         torch.cuda.synchronize()
         tr.raise_if_failed()
         res["graph_rows"].append(row)
@@ -195,7 +206,8 @@ def worker(rank, world, port, args, queue):
         if rank == 0:
             print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
-                  f"round trip equal: {row['roundtrip_equal']}", flush=True)
+                  f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
+                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine")) + " us", flush=True)
 
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share
@@ -210,6 +222,8 @@ def worker(rank, world, port, args, queue):
     recv = torch.empty(sum(recv_splits), H, dtype=torch.bfloat16, device=dev)
     nccl_ms = timed(lambda: dist.all_to_all_single(recv, send, recv_splits, send_counts))
     res["nccl_all_to_all_ms"] = _max_over_ranks(nccl_ms, dev)
+    res["nccl_all_to_all_queued_ms"] = _max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
+                                                                                               send_counts)), dev)
 
     # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
     peer = (rank + 1) % world
@@ -218,6 +232,7 @@ def worker(rank, world, port, args, queue):
     src = torch.randn(n_cross, H, generator=g).to(dev, torch.bfloat16)
     ce_ms = timed(lambda: dst.copy_(src))
     res["copy_engine_ms"] = _max_over_ranks(ce_ms, dev)
+    res["copy_engine_queued_ms"] = _max_over_ranks(queued(lambda: dst.copy_(src)), dev)
     res["copy_engine_bytes"] = n_cross * H * 2
     if world > 2:  # the all-to-all ceiling: each peer's rows to that peer, all peers at once (a stream each)
         pieces = [(transport.handle.get_buffer(d, (send_counts[d], H), torch.bfloat16,
@@ -256,7 +271,9 @@ def worker(rank, world, port, args, queue):
     res["sm_copy_over_nvlink"] = link
     if rank == 0:
         print(f"NCCL all_to_all_single {res['nccl_all_to_all_ms'] * 1e3:.1f} us; copy engine "
-              f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB", flush=True)
+              f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB; {QUEUED} queued: NCCL "
+              f"{res['nccl_all_to_all_queued_ms'] * 1e3:.1f} us, copy engine {res['copy_engine_queued_ms'] * 1e3:.1f} us",
+              flush=True)
 
     # concurrent: dispatch + combine on a green comm budget while a GEMM runs on the compute budget
     n = 8192
@@ -320,7 +337,7 @@ def main():
     parser.add_argument("--combine-copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")
     parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
-                        default=[(0.4, 0.7, 0.9, 1.0)],
+                        default=[(0.6, 1.0)],
                         help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
                              "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],

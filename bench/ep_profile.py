@@ -37,6 +37,8 @@ def worker(rank, world, port, args):
     else:
         tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=args.sms, max_tokens=T, hidden=H, max_topk=K,
                              bulk="copy_engine" if args.transport == "nvlink_copy_engine" else "sm")
+        if args.combine_chunks:
+            tr.combine_chunks = args.combine_chunks
         *_, lay = tr.dispatch(x, None, topk, None, in_rank, num_local, num_worst_tokens=worst)
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
 
@@ -106,7 +108,8 @@ def worker(rank, world, port, args):
     events = [e for e in json.loads(path.read_text())["traceEvents"]
               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     t0 = min(e["ts"] for e in events) if events else 0
-    lines = [f"rank {rank}: {args.transport} chunks={args.chunks} sms={args.sms} fp8={args.fp8} graph={args.graph}"]
+    lines = [f"rank {rank}: {args.transport} chunks={args.chunks} combine_chunks={getattr(tr, 'combine_chunks', None)} "
+             f"sms={args.sms} fp8={args.fp8} graph={args.graph}"]
     for e in sorted(events, key=lambda e: e["ts"]):
         lines.append(f"  stream {e.get('tid')!s:>4} start {e['ts'] - t0:8.1f} us dur {e['dur']:7.1f} us  "
                      f"{e['name'][:60]}")
@@ -125,6 +128,8 @@ def main():
     parser.add_argument("--transport", default="copy_engine", choices=["copy_engine", "nvlink", "nvlink_copy_engine"])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--sms", type=int, default=20)
+    parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), default=None,
+                        help="nvlink_copy_engine: the combine's copy chunks (e.g. 0.6,1); default: the transport's")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--out", default="/tmp/prof")
     parser.add_argument("--host-profile", action="store_true", help="cProfile 20 dispatch + combine calls")

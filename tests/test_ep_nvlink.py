@@ -81,7 +81,11 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     # copy engines push some rows: one more bounded wait, for their copy-done flags
     text_ce, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, dict(consts, WAIT_COPIES=True, CHUNKS=4, CP=4),
                                       num_warps=16, aligned=aligned)
-    ptx.compile_for_sm90(nvlink.bump_kernel, {"counter_ptr": "*i32"}, num_warps=1)
+    bump_sig = {"counter_ptr": "*i32", "summed_ptr": "i64", "state_ptr": "*i32", "status_addr": "i64", "R": "i32",
+                "rank": "i32", "timeout_ns": "i64"}
+    plain, _ = ptx.compile_for_sm90(nvlink.bump_kernel, bump_sig, {"WAIT_SUMMED": False}, num_warps=1)
+    gated, _ = ptx.compile_for_sm90(nvlink.bump_kernel, bump_sig, {"WAIT_SUMMED": True}, num_warps=1)
+    assert ptx.INSTRUCTIONS["wait_geq_sys"] not in plain and ptx.INSTRUCTIONS["wait_geq_sys"] in gated
     assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
@@ -252,6 +256,55 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
+
+
+def _combines_in_a_row_worker(rank, world, port, bulk):
+    """Combines of one dispatch queued back to back (no dispatch, no host synchronization between) while rank 1's
+    GPU is slowed by a GEMM on another stream: each result must still be its own inputs' sum (a combine must not
+    overwrite the rows a peer still sums for the previous one)."""
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 1024, 7168, 32, 8
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
+                                       timeout_s=20, bulk=bulk)
+    num_local = E // world
+    g = torch.Generator(device="cpu").manual_seed(7)
+    xs = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(world)]
+    topks = [torch.randint(0, E, (T, K), generator=g).to(dev) for _ in range(world)]
+    in_ranks = [torch.stack([((t >= r * num_local) & (t < (r + 1) * num_local)).any(1) for r in range(world)], 1)
+                for t in topks]
+    rx, _, _, _, rsrc, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    torch.cuda.synchronize()
+    n = int(torch.as_tensor(layout.num_recv_tokens).item())
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    side = torch.cuda.Stream(dev)
+    scales = (1.0, -2.0, 3.0, 0.5)
+    for round_ in range(3):
+        ys = [(rx[:n].float() * (rank + 1) * f).to(torch.bfloat16) for f in scales]
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        if rank == 1:  # slows this rank's sums: the other rank finishes each combine first
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    a @ a
+        outs = [transport.combine(y, None, layout)[0] for y in ys]
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        for f, out in zip(scales, outs):
+            acc = torch.zeros(T, H, device=dev)
+            for d in range(world):
+                sel = in_ranks[rank][:, d]
+                acc[sel] += (xs[rank][sel].float() * (d + 1) * f).to(torch.bfloat16).float()
+            assert torch.equal(out, acc.to(torch.bfloat16)), f"rank {rank}, round {round_}: combine x{f} differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
+def test_combines_in_a_row_keep_each_ones_rows(bulk):
+    mp.spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
 
 
 def in_reference_order(t, handle, rank):

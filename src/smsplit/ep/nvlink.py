@@ -115,8 +115,14 @@ def _finish(state_ptr, phase, expected, per_source, programs, copies_seen, copie
 
 
 @triton.jit
-def bump_kernel(counter_ptr):
-    """Add one to a device counter (one thread): the copy-done flag a copy stream then copies to peers."""
+def bump_kernel(counter_ptr, summed_ptr, state_ptr, status_addr, R, rank, timeout_ns, WAIT_SUMMED: tl.constexpr):
+    """Add one to a device counter (one thread): the copy-done flag a copy stream then copies to peers.
+    WAIT_SUMMED (a combine's copies): first wait until every peer has summed this rank's previous combine
+    (``summed_ptr[peer]`` reaches this rank's combine arrivals so far), so that no copy overwrites rows a peer
+    still reads."""
+    if WAIT_SUMMED:
+        _wait_for_ranks(summed_ptr.to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, tl.load(state_ptr + 2, volatile=True),
+                        timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), state_ptr + FAIL_WORD, 3)
     tl.store(counter_ptr, tl.load(counter_ptr) + 1)
 
 
@@ -540,6 +546,11 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     expected = tl.load(state_ptr + 2, volatile=True)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    own = tl.load(bases_ptr + rank)
+    # every peer has summed the previous combine (signal 3: programs that finished their sums): its combine area
+    # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
+    _wait_for_ranks((own + sig_off + 3 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
+                    timeout_ns, status_ptr, fail_ptr, 3)
     vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
     vmask = vec < n_vec
@@ -573,7 +584,6 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
             w = tl.load(yw_ptr + r64 * K + k, mask=rmask & kmask)
             tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=rmask & kmask)
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
-    own = tl.load(bases_ptr + rank)
     _wait_for_ranks((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                     timeout_ns, status_ptr, fail_ptr, 3)
     copies_seen = -1
@@ -605,6 +615,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
                           H, K, HB, KP, RP, TB, HAS_WEIGHTS)
+    _signal_all(bases_ptr, sig_off + 3 * 64, rank, R)  # this program's reads of the combine area are done
     _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
@@ -672,7 +683,7 @@ def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
     combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": 3 * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
+    return {"signals": 4 * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -774,7 +785,7 @@ class NvlinkTransport:
         self.tokens_per_step = 4
         self.combine_tokens_per_step = 4
         self.num_warps = 16  # per program of the dispatch and combine kernels
-        self.combine_chunks = (0.4, 0.7, 0.9, 1.0)
+        self.combine_chunks = (0.6, 1.0)
         self.stage_chunks = 4
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
@@ -925,8 +936,10 @@ class NvlinkTransport:
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
         self._counter = self.copies_done[counter:counter + 1]
+        summed = self.base_addrs[self.rank] + self.offsets["signals"] + 3 * 64
         with torch.cuda.stream(cs):
-            bump_kernel[(1,)](self._counter, num_warps=1)
+            bump_kernel[(1,)](self._counter, summed, self.state, self._status_addr(), self.num_ranks, self.rank,
+                              self.timeout_ns, WAIT_SUMMED=counter == 1, num_warps=1)
 
     def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
         """One step of a `_copy` (after ``after``, an event of the current stream, when given)."""
