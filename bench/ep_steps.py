@@ -39,7 +39,7 @@ def worker(rank, world, port, args, queue):
     def replayed_us(fn):
         graph = capture_graph(fn, dev)
         dist.barrier(device_ids=[rank])
-        ms = time_ms(graph.replay, warmup=3, repeat=args.reps)["median_ms"]
+        ms = time_ms(graph.replay, warmup=3, repeat=args.reps, inner=args.queued)["median_ms"]
         t = torch.tensor([ms], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         tr.raise_if_failed()
@@ -48,19 +48,23 @@ def worker(rank, world, port, args, queue):
     rows = []
     for P in args.comm_sms:
         tr.num_sms = P
+        calls = {"dispatch_bf16": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                      num_worst_tokens=worst, cached=lay),
+                 "dispatch_fp8": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
+                                                     quantize=True, num_worst_tokens=worst, cached=lay),
+                 "combine": lambda: tr.combine(y, None, lay)}
+        step_of = {"dispatch_bf16": "tokens_per_step", "dispatch_fp8": "quantize_tokens_per_step",
+                   "combine": "combine_tokens_per_step"}
         for tb, warps in [(tb, w) for tb in args.steps for w in args.warps]:
-            tr.tokens_per_step = tr.combine_tokens_per_step = tr.quantize_tokens_per_step = tb
+            for kernel in args.kernels:
+                setattr(tr, step_of[kernel], tb)
             tr.num_warps = warps
-            row = {"comm_sms": P, "tokens_per_step": tb, "num_warps": warps,
-                   "dispatch_bf16_us": replayed_us(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                                       num_worst_tokens=worst, cached=lay)),
-                   "dispatch_fp8_us": replayed_us(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                                      quantize=True, num_worst_tokens=worst, cached=lay)),
-                   "combine_us": replayed_us(lambda: tr.combine(y, None, lay))}
+            row = {"comm_sms": P, "tokens_per_step": tb, "num_warps": warps}
+            row.update({f"{kernel}_us": replayed_us(calls[kernel]) for kernel in args.kernels})
             rows.append(row)
             if rank == 0:
-                print(f"P={P} tokens per step {tb}, {warps} warps: dispatch bf16 {row['dispatch_bf16_us']:.1f} us, fp8 "
-                      f"{row['dispatch_fp8_us']:.1f} us, combine {row['combine_us']:.1f} us", flush=True)
+                print(f"P={P} tokens per step {tb}, {warps} warps: "
+                      + ", ".join(f"{kernel} {row[kernel + '_us']:.1f} us" for kernel in args.kernels), flush=True)
     if rank == 0:
         queue.put({"rows": rows})
     dist.barrier(device_ids=[rank])
@@ -73,6 +77,10 @@ def main():
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--warps", type=int, nargs="+", default=[16])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--queued", type=int, default=1, help="replays queued between two events (time divided)")
+    parser.add_argument("--kernels", nargs="+", default=["dispatch_bf16", "dispatch_fp8", "combine"],
+                        choices=["dispatch_bf16", "dispatch_fp8", "combine"],
+                        help="which calls to time (only their tokens per step change)")
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     res = run_ranks(worker, args.world, args)
