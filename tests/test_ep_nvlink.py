@@ -76,6 +76,10 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
               "WAIT_COPIES": False, "CHUNKS": 1, "CP": 1, "TRACE": False}
     text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
+    # two bounded waits (every peer has summed the previous combine; every peer's rows are in) and two signals
+    # (rows pushed; sum done)
+    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
+    assert text.count(ptx.INSTRUCTIONS["atom_add_release_sys"]) == 2
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
     # copy engines push some rows: one more bounded wait, for their copy-done flags
