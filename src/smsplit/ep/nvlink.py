@@ -15,18 +15,18 @@ stream, both device-only (no host synchronization when the receive size is fixed
    ``bulk="copy_engine"`` one copy-engine copy per peer moves the first rows of x instead (`_prefix_plan`;
    FP8 made here is staged in this rank's buffer first) and the programs move the rest.
 
-A combine pushes each received row back into its source's combine area (one slot per expert rank and
+A combine first waits until every peer has summed the previous combine (so two combines in a row keep their
+rows), pushes each received row back into its source's combine area (one slot per expert rank and
 position among the rows that rank received from the source, so each source's rows go back as one block),
 signals, waits, and sums the slots of each token in fp32 (with ``bulk="copy_engine"`` the copy engines move
-the blocks in chunks and the sum starts on a chunk as soon as it has landed).
+the blocks in chunks and the sum starts on a chunk as soon as it has landed), then signals that its sum is done.
 
 Waits are bounded: a wait that passes ``timeout_s`` records (phase, peer, counts) in a pinned host
 word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank, peer and phase.
 
-Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. The
-kernels do not wait for peers to finish with their buffers before writing into them: a caller must
-order calls so that no rank starts the next dispatch (or combine) while a peer still reads the
-previous one's results. `smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every
+Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. A dispatch
+does not wait for peers to finish reading them before writing into their buffers: a caller must order calls
+so that no rank starts the next dispatch while a peer still reads the previous one's results. `smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every
 call) and copies the results out. A dispatch bumps the buffer's autograd version, so a backward that
 saved a view raises instead of reading overwritten data.
 """
