@@ -26,8 +26,8 @@ word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank,
 
 Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. A dispatch
 does not wait for peers to finish reading them before writing into their buffers: a caller must order calls
-so that no rank starts the next dispatch while a peer still reads the previous one's results. `smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every
-call) and copies the results out. A dispatch bumps the buffer's autograd version, so a backward that
+so that no rank starts the next dispatch while a peer still reads the previous one's results.
+`smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every call) and copies the results out. A dispatch bumps the buffer's autograd version, so a backward that
 saved a view raises instead of reading overwritten data.
 """
 
@@ -62,6 +62,9 @@ MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut
 STATE_WORDS = 10
 FAIL_WORD = tl.constexpr(7)
 COPIES_WORD = tl.constexpr(8)
+# shared signal words, 64 bytes per slot: slot [phase] counts the arrivals of a phase's programs per source
+# (notify, dispatch, combine), slot SUMMED_SLOT the combine programs per rank that have finished their sums
+SUMMED_SLOT = tl.constexpr(3)
 
 
 # --- device helpers --------------------------------------------------------------------------------
@@ -547,9 +550,9 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     own = tl.load(bases_ptr + rank)
-    # every peer has summed the previous combine (signal 3: programs that finished their sums): its combine area
+    # every peer has summed the previous combine (its programs' SUMMED_SLOT signals): its combine area
     # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
-    _wait_for_ranks((own + sig_off + 3 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
+    _wait_for_ranks((own + sig_off + SUMMED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
                     timeout_ns, status_ptr, fail_ptr, 3)
     vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
@@ -615,7 +618,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
                           H, K, HB, KP, RP, TB, HAS_WEIGHTS)
-    _signal_all(bases_ptr, sig_off + 3 * 64, rank, R)  # this program's reads of the combine area are done
+    _signal_all(bases_ptr, sig_off + SUMMED_SLOT * 64, rank, R)  # this program's reads of the combine area are done
     _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
@@ -683,7 +686,7 @@ def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
     combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": 4 * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
+    return {"signals": (SUMMED_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -938,7 +941,7 @@ class NvlinkTransport:
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
         self._counter = self.copies_done[counter:counter + 1]
-        summed = self.base_addrs[self.rank] + self.offsets["signals"] + 3 * 64
+        summed = self.base_addrs[self.rank] + self.offsets["signals"] + SUMMED_SLOT.value * 64
         with torch.cuda.stream(cs):
             bump_kernel[(1,)](self._counter, summed, self.state, self._status_addr(), self.num_ranks, self.rank,
                               self.timeout_ns, WAIT_SUMMED=counter == 1, num_warps=1)
