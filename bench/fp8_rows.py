@@ -8,9 +8,9 @@ chunk on packed bf16 words (`smsplit.fp8`) and stores the e4m3 rows twice (a
 * ``smem``: ``tl.load`` in a ``tl.range(num_stages=S)`` loop: Triton keeps S - 1 chunks in flight through shared
   memory (cp.async), few registers; one 16-byte vector per thread (`smsplit.fp8.quantize_e4m3_bf16_vectors`),
   8-byte stores, as ``tma`` and ``tma_io``;
-* ``regs``: as the dispatch: `smsplit.ep.nvlink.load_chunk` (two 16-byte ``ld.global.nc`` per thread, the next
-  chunk loaded into registers while this one is quantized), `smsplit.fp8.quantize_e4m3_bf16_vector_pairs`,
-  16-byte stores;
+* ``regs``: as the dispatch: `smsplit.ep.nvlink.load_chunk` (two 16-byte ``ld.global.nc`` per thread, vectors
+  j and j + 8 of a group; the next chunk loaded into registers while this one is quantized),
+  `smsplit.fp8.quantize_e4m3_bf16_vector_pairs`, two 8-byte stores per thread;
 * ``tma``: the chunks loaded by the Hopper tensor memory accelerator (a tensor descriptor over x, the loop
   pipelined by Triton over S shared-memory buffers); ``tma_io``: the e4m3 rows stored by TMA as well.
 
@@ -76,7 +76,7 @@ def quantize_rows_kernel(x_ptr, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr, TB
             w1, w3 = tl.split(odd)
             q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
             _store_chunk(out_ptr, out2_ptr, s_ptr, t, g0, T, NG, H, q0, q1, scale, QG)
-    else:  # as the dispatch: two 16-byte vectors per thread, the next chunk in flight, 16-byte stores
+    else:  # as the dispatch: two 16-byte vectors per thread, the next chunk in flight, 8-byte stores
         bf16_ptr = x_ptr.to(tl.pointer_type(tl.bfloat16))
         t = pid * TB + tl.arange(0, TB)
         n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(bf16_ptr, t.to(tl.int64)[:, None], t < T, 0, H, QG, TB)
@@ -93,8 +93,11 @@ def quantize_rows_kernel(x_ptr, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr, TB
             g3 = g0 + tl.arange(0, QG)[None, :, None]
             u3 = tl.arange(0, 8)[None, None, :]
             ok = (t < T)[:, None, None] & (g3 < NG) & (u3 < 8)
-            ptx.st_global_na_v4(out_ptr + t64 * (H // 4) + g3 * 32 + 4 * u3, q0, q1, q2, q3, ok)
-            ptx.st_global_na_v4(out2_ptr + t64 * (H // 4) + g3 * 32 + 4 * u3, q0, q1, q2, q3, ok)
+            lo = t64 * (H // 4) + g3 * 32 + 2 * u3  # thread j: values 8 j .. and 64 + 8 j .. (load_chunk)
+            ptx.st_global_na_v2(out_ptr + lo, q0, q1, ok)
+            ptx.st_global_na_v2(out_ptr + lo + 16, q2, q3, ok)
+            ptx.st_global_na_v2(out2_ptr + lo, q0, q1, ok)
+            ptx.st_global_na_v2(out2_ptr + lo + 16, q2, q3, ok)
             g2 = g0 + tl.arange(0, QG)[None, :]
             tl.store(s_ptr + t.to(tl.int64)[:, None] * NG + g2, scale, mask=(t < T)[:, None] & (g2 < NG))
 

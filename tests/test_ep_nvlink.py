@@ -53,7 +53,8 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     # FP8 rows staged for the copy engines: a launch over a range of tokens that neither signals nor waits
     fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True, TB=16)  # (its default TB)
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
+    # each thread's e4m3 bytes go out as two 8-byte halves (values 8 j .. and 64 + 8 j .. of a group)
+    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] not in text
     # each thread quantizes the 16 values of its own two loads into one 16-byte vector: no exchange of bytes
     # between threads (packing 16-byte vectors from fp32 values took a shared-memory round trip and barriers per

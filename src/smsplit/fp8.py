@@ -170,6 +170,18 @@ if triton is not None:
         return w0, w1, w2, w3
 
     @triton.jit
+    def e4m3_v2_words(q, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        """The bytes of e4m3 ``q`` (``[ROWS, GROUPS, 128]``) as the two int32 words of each 8-byte vector:
+        ``(w0, w1)``, each ``[ROWS, GROUPS * 16]``, vector ``v`` of a row holding bytes ``8 v .. 8 v + 7``."""
+        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (ROWS, GROUPS * 16, 2, 2, 2))
+        even, odd = tl.split(b)  # byte 0/2 of each word, byte 1/3
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2]
+        w0, w1 = tl.split(words)
+        return w0, w1
+
+    @triton.jit
     def quantize_e4m3_bf16_vectors(w0, w1, w2, w3):
         """`quantize_e4m3_groups` for bf16 values as 16-byte loads hold them: words ``w0..w3`` (``[ROWS, GROUPS, 16]``
         each, two values per word; the last axis the 16 vectors of a group of 128), quantized on packed words
@@ -183,10 +195,11 @@ if triton is not None:
 
     @triton.jit
     def quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3):
-        """`quantize_e4m3_bf16_vectors` with two adjacent 16-byte vectors per thread: ``a0..a3`` vector ``2 j`` of a
-        group, ``b0..b3`` vector ``2 j + 1`` (``[ROWS, GROUPS, 8]`` each). Half the threads meet in each group's
-        maximum (3 shuffle steps instead of 4, one division per 16 values instead of 8). Returns the four int32
-        words of each 16-byte e4m3 vector (the 16 values of the pair; ``[ROWS, GROUPS, 8]`` each) and the scales."""
+        """`quantize_e4m3_bf16_vectors` with two 16-byte vectors of a group per thread: ``a0..a3`` and ``b0..b3``
+        (``[ROWS, GROUPS, 8]`` each; the 8 threads of a group hold its 16 vectors, in any order). Half the threads
+        meet in each group's maximum (3 shuffle steps instead of 4, one division per 16 values instead of 8).
+        Returns the four int32 words of the thread's 16 e4m3 values (``[ROWS, GROUPS, 8]`` each: two from ``a``'s
+        8 values, then two from ``b``'s) and the scales."""
         bits = tl.maximum(ptx.bf16x8_absmax_bits(a0, a1, a2, a3), ptx.bf16x8_absmax_bits(b0, b1, b2, b3))
         inv, scale = _e4m3_scales(tl.max(bits, axis=2).to(tl.float32, bitcast=True))
         inv = inv[:, :, None]

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
+from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
@@ -274,18 +274,19 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 @triton.jit
 def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
-    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a bf16 x, two adjacent
-    16-byte vectors per thread: the four int32 words of vector ``2 j`` of each group and of vector ``2 j + 1``
-    (eight blocks ``[TB, QG, 8]``; zeros past the row or for masked tokens), for `quantize_chunk`. A dispatch loads
-    the next chunk before it quantizes this one, so that the loads' latency hides behind the arithmetic.
+    """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a bf16 x, two 16-byte vectors
+    per thread: the four int32 words of vector ``j`` of each group and of vector ``j + 8`` (eight blocks
+    ``[TB, QG, 8]``; zeros past the row or for masked tokens), for `quantize_chunk`: each load of a warp reads whole
+    128-byte runs (adjacent vectors per thread would use half of every 32-byte sector a load touches). A dispatch
+    loads the next chunk before it quantizes this one, so that the loads' latency hides behind the arithmetic.
     Placeholders for other dtypes, which `quantize_chunk` loads itself."""
-    j3 = tl.arange(0, 8)[None, None, :]  # the pairs of 16-byte vectors of a group
+    j3 = tl.arange(0, 8)[None, None, :]  # the group's 8 threads
     if x_ptr.dtype.element_ty == tl.bfloat16:
         g3 = g0 + tl.arange(0, QG)[None, :, None]
-        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 8 * j3
+        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 4 * j3
         ok = tmask[:, None, None] & (g3 < H // 128) & (j3 < 8)
         a0, a1, a2, a3 = ptx.ld_global_nc_v4(words, ok)
-        b0, b1, b2, b3 = ptx.ld_global_nc_v4(words + 4, ok)
+        b0, b1, b2, b3 = ptx.ld_global_nc_v4(words + 32, ok)
     else:
         a0 = tl.zeros((TB, QG, 8), dtype=tl.int32)
         a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
@@ -295,9 +296,9 @@ def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
 @triton.jit
 def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG: tl.constexpr, TB: tl.constexpr):
     """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of x quantized to e4m3, bit for
-    bit `smsplit.fp8.quantize_1x128`: the four int32 words of their 16-byte e4m3 vectors (``[TB, QG * 8]`` each,
-    vector ``8 * g0 + j`` of the row) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk` loaded it and is
-    quantized on packed words, each thread the sixteen values of its two loads
+    bit `smsplit.fp8.quantize_1x128`: two pairs of int32 words, each pair 8 e4m3 bytes (``[TB, QG * 8]`` each,
+    stored at the word offsets `chunk_halves` gives) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk`
+    loaded it and is quantized on packed words, each thread the sixteen values of its two loads
     (`smsplit.fp8.quantize_e4m3_bf16_vector_pairs`: nothing moves between threads but the group maxima); other
     dtypes (fp32, fp16) are loaded here and quantized as fp32 values."""
     if x_ptr.dtype.element_ty == tl.bfloat16:
@@ -310,15 +311,36 @@ def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG:
         xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
                      other=0.0).to(tl.float32)
         q, scale = quantize_e4m3_groups(xf, 2)
-        q0, q1, q2, q3 = e4m3_v4_words(q, TB, QG)
+        q0, q1, q2, q3 = e4m3_halves(q, TB, QG)
     return q0, q1, q2, q3, scale
 
 
 @triton.jit
+def e4m3_halves(q, TB: tl.constexpr, QG: tl.constexpr):
+    """e4m3 bytes ``q`` (``[TB, QG, 128]``) as `quantize_chunk` returns a bf16 x's: per thread ``j`` of a group the
+    two words of values ``8 j ..`` and the two of values ``64 + 8 j ..`` (``[TB, QG * 8]`` each)."""
+    w0, w1 = e4m3_v2_words(q, TB, QG)  # 8-byte vector 16 g + h of the row: thread j takes h = j and j + 8
+    a0, b0 = tl.split(tl.permute(tl.reshape(w0, (TB, QG, 2, 8)), (0, 1, 3, 2)))
+    a1, b1 = tl.split(tl.permute(tl.reshape(w1, (TB, QG, 2, 8)), (0, 1, 3, 2)))
+    return (tl.reshape(a0, (TB, QG * 8)), tl.reshape(a1, (TB, QG * 8)),
+            tl.reshape(b0, (TB, QG * 8)), tl.reshape(b1, (TB, QG * 8)))
+
+
+@triton.jit
+def chunk_halves(g0, QG: tl.constexpr):
+    """Word offsets, in a row of e4m3 bytes, of the two 8-byte halves `quantize_chunk` returns per thread
+    (``[1, QG * 8]`` each): values ``8 j ..`` and ``64 + 8 j ..`` of group ``g0 + i`` for element ``8 i + j``."""
+    f = tl.arange(0, QG * 8)[None, :]
+    first = 32 * (g0 + f // 8) + 2 * (f % 8)
+    return first, first + 16
+
+
+@triton.jit
 def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, dest_base, stage_base, off_x,
-                     STAGE: tl.constexpr, RP: tl.constexpr):
+                     STAGE: tl.constexpr, RP: tl.constexpr, HALVES: tl.constexpr):
     """Store 16-byte vectors ``v`` (``[1, n]``, words ``w0..w3``) of the rows of tokens ``t`` that fill holes
-    (`_store_hole_fillers`)."""
+    (`_store_hole_fillers`); HALVES: ``v`` are the word offsets of 8-byte halves (`chunk_halves`: ``w0, w1`` at
+    ``v``, ``w2, w3`` at ``v + 16``)."""
     cols = tl.arange(0, RP)
     for d in tl.static_range(RP):
         p = _column(pos, cols, d)
@@ -330,7 +352,11 @@ def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, d
         else:
             base = _pick(dest_base, cols, d) + off_x
         dst = (base + row * row_bytes).to(tl.pointer_type(tl.int32))
-        ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
+        if HALVES:
+            ptx.st_global_na_v2(dst + v, w0, w1, hole & (v < row_bytes // 4))
+            ptx.st_global_na_v2(dst + v + 16, w2, w3, hole & (v + 16 < row_bytes // 4))
+        else:
+            ptx.st_global_na_v4(dst + 4 * v, w0, w1, w2, w3, hole & (v < row_bytes // 16))
 
 
 @triton.jit
@@ -352,11 +378,12 @@ def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, 
             for g0 in range(0, H // 128, QG):
                 a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
                 q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t64, t < T, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG, TB)
-                _store_hole_rows(t, pos, 8 * g0 + tl.arange(0, QG * 8)[None, :], q0, q1, q2, q3, row_bytes, copied,
-                                 dest_start, dest_base, stage_base, off_x, STAGE, RP)
+                lo, _ = chunk_halves(g0, QG)
+                _store_hole_rows(t, pos, lo, q0, q1, q2, q3, row_bytes, copied, dest_start, dest_base, stage_base,
+                                 off_x, STAGE, RP, True)
         else:
             _store_hole_rows(t, pos, tl.arange(0, VEC)[None, :], w0, w1, w2, w3, row_bytes, copied, dest_start,
-                             dest_base, stage_base, off_x, STAGE, RP)
+                             dest_base, stage_base, off_x, STAGE, RP, False)
 
 
 @triton.jit
@@ -467,7 +494,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB)
                 q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
                                                         QG, TB)
-                v = 8 * g0 + tl.arange(0, QG * 8)[None, :]  # 16-byte vectors
+                lo, hi = chunk_halves(g0, QG)  # the word offsets of each thread's two 8-byte halves
                 g = g0 + tl.arange(0, QG)[None, :]
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
@@ -476,7 +503,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     base = _pick(dest_base, cols, d)
                     dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
                                        row_bytes, STAGE)
-                    ptx.st_global_na_v4(dst + 4 * v, q0, q1, q2, q3, ok & keep & (v < row_bytes // 16))
+                    ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
+                    ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                     tl.store(dst_s + g, qscale, mask=ok & (g < n_groups))
     if SYNC and not STAGE:
