@@ -10,7 +10,8 @@ chunk on packed bf16 words (`smsplit.fp8`) and stores the e4m3 rows twice (a
   8-byte stores, as ``tma`` and ``tma_io``;
 * ``regs``: as the dispatch: `smsplit.ep.nvlink.load_chunk` (two 16-byte ``ld.global.nc`` per thread, vectors
   j and j + 8 of a group; the next chunk loaded into registers while this one is quantized),
-  `smsplit.fp8.quantize_e4m3_bf16_vector_pairs`, two 8-byte stores per thread;
+  `smsplit.fp8.quantize_e4m3_bf16_vector_pairs`, two 8-byte stores per thread, the scales stored from the layout
+  they were computed in (`smsplit.ep.nvlink.store_chunk_scales`: no shared memory, no barrier);
 * ``tma``: the chunks loaded by the Hopper tensor memory accelerator (a tensor descriptor over x, the loop
   pipelined by Triton over S shared-memory buffers); ``tma_io``: the e4m3 rows stored by TMA as well.
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, time_ms, write_result  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
-from smsplit.ep.nvlink import load_chunk  # noqa: E402
+from smsplit.ep.nvlink import load_chunk, store_chunk_scales  # noqa: E402
 from smsplit.fp8 import quantize_1x128, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_bf16_vectors  # noqa: E402
 
 
@@ -98,8 +99,7 @@ def quantize_rows_kernel(x_ptr, out_ptr, out2_ptr, s_ptr, T, H: tl.constexpr, TB
             ptx.st_global_na_v2(out_ptr + lo + 16, q2, q3, ok)
             ptx.st_global_na_v2(out2_ptr + lo, q0, q1, ok)
             ptx.st_global_na_v2(out2_ptr + lo + 16, q2, q3, ok)
-            g2 = g0 + tl.arange(0, QG)[None, :]
-            tl.store(s_ptr + t.to(tl.int64)[:, None] * NG + g2, scale, mask=(t < T)[:, None] & (g2 < NG))
+            store_chunk_scales(s_ptr + t.to(tl.int64)[:, None] * NG, g0, scale, (t < T)[:, None], NG, QG, TB)
 
 
 @triton.jit

@@ -218,7 +218,7 @@ def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, toke
     import triton.language as tl
 
     from smsplit import ptx
-    from smsplit.ep.nvlink import load_chunk, quantize_chunk
+    from smsplit.ep.nvlink import chunk_halves, load_chunk, quantize_chunk, store_chunk_scales
 
     @triton.jit
     def chunked_rows(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, TB: tl.constexpr, QG: tl.constexpr):
@@ -227,10 +227,10 @@ def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, toke
         for g0 in range(0, H // 128, QG):
             a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
             q0, q1, q2, q3, scale = quantize_chunk(x_ptr, t64, t < T, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG, TB)
-            v = 8 * g0 + tl.arange(0, QG * 8)[None, :]
-            ptx.st_global_na_v4(q_ptr + t64 * (H // 4) + 4 * v, q0, q1, q2, q3, (t < T)[:, None] & (v < H // 16))
-            g = g0 + tl.arange(0, QG)[None, :]
-            tl.store(s_ptr + t64 * (H // 128) + g, scale, mask=(t < T)[:, None] & (g < H // 128))
+            lo, hi = chunk_halves(g0, QG)
+            ptx.st_global_na_v2(q_ptr + t64 * (H // 4) + lo, q0, q1, (t < T)[:, None] & (lo < H // 4))
+            ptx.st_global_na_v2(q_ptr + t64 * (H // 4) + hi, q2, q3, (t < T)[:, None] & (hi < H // 4))
+            store_chunk_scales(s_ptr + t64 * (H // 128), g0, scale, (t < T)[:, None], H // 128, QG, TB)
 
     x = _special_rows(hidden, "cuda").to(dtype)  # fp32 and fp16 x: quantized as fp32 values
     words = torch.full((x.size(0) + 1, hidden // 4), -1, dtype=torch.int32, device="cuda")  # one row past the end

@@ -48,7 +48,7 @@ def _quantize_vectors(src, dst, scales, GROUPS: tl.constexpr):
     w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + g * 64 + 4 * c, c < 16)
     q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
     ptx.st_global_na_v2(dst + g * 32 + 2 * c, q0, q1, c < 16)
-    tl.store(scales + tl.arange(0, GROUPS)[None, :], scale)
+    ptx.st_global_b32(scales + tl.arange(0, GROUPS)[None, :], scale, tl.arange(0, GROUPS)[None, :] < GROUPS)
 
 
 @triton.jit
@@ -104,6 +104,7 @@ KERNEL_OF = {
     "ld_global_nc_v4": "copy_v4",
     "st_global_na_v4": "copy_v4",
     "st_global_na_v2": "copy_v2",
+    "st_global_b32": "quantize",
     "ld_global_nc_v4_evict_first": "copy_v4_evict_first",
     "st_global_na_v4_evict_first": "copy_v4_evict_first",
     "ld_acquire_gpu": "flags",

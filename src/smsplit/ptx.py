@@ -67,6 +67,28 @@ def ld_global_nc_v4(ptr, mask):
 
 
 @triton.jit
+def st_global_b32(ptr, value, mask):
+    """4-byte store of an fp32 or int32 ``value`` (``st.global.b32``), in the layout its operands have: Triton
+    re-lays out a ``tl.store`` for coalescing (a shared-memory round trip and two barriers when the values come from
+    a reduction), inline asm it leaves alone. Returns a dummy int32 block."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $3, 0;
+        mov.b32 $0, 0;
+        @p st.global.b32 [$1], $2;
+        }
+        """,
+        "=r,l,r,r",
+        [ptr, value.to(tl.int32, bitcast=True), tl.cast(mask, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def st_global_na_v2(ptr, w0, w1, mask):
     """8-byte store that does not allocate in L1 (``st.global.L1::no_allocate.v2.b32``): for words a thread holds
     two of, where gathering four would cost a trip through shared memory. Returns a dummy int32 block."""
@@ -375,6 +397,7 @@ INSTRUCTIONS = {
     "ld_global_nc_v4": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
     "st_global_na_v4": "st.global.L1::no_allocate.v4.b32",
     "st_global_na_v2": "st.global.L1::no_allocate.v2.b32",
+    "st_global_b32": "@p st.global.b32",
     "ld_global_nc_v4_evict_first": "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32",
     "st_global_na_v4_evict_first": "st.global.L1::no_allocate.L2::cache_hint.v4.b32",
     "bf16x8_absmax_bits": "max.u16x2",

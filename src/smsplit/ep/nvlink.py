@@ -336,6 +336,18 @@ def chunk_halves(g0, QG: tl.constexpr):
 
 
 @triton.jit
+def store_chunk_scales(dst_s, g0, scale, mask, n_groups, QG: tl.constexpr, TB: tl.constexpr):
+    """Store the scales ``[TB, QG]`` of groups ``g0 ..`` that `quantize_chunk` returns at ``dst_s + g`` (``dst_s``:
+    fp32 pointers ``[TB, 1]`` to the rows' first scales; ``mask`` ``[TB, 1]``), each by the first of its group's 8
+    threads, in the layout the scales were computed in: a `tl.store` of the ``[TB, QG]`` block would move them
+    through shared memory, with two barriers per chunk."""
+    f = tl.arange(0, QG * 8)[None, :]
+    g = g0 + f // 8
+    s = tl.reshape(tl.broadcast_to(scale[:, :, None], (TB, QG, 8)), (TB, QG * 8))
+    ptx.st_global_b32(dst_s + g, s, mask & (f % 8 == 0) & (g < n_groups))
+
+
+@triton.jit
 def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, dest_base, stage_base, off_x,
                      STAGE: tl.constexpr, RP: tl.constexpr, HALVES: tl.constexpr):
     """Store 16-byte vectors ``v`` (``[1, n]``, words ``w0..w3``) of the rows of tokens ``t`` that fill holes
@@ -495,7 +507,6 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
                                                         QG, TB)
                 lo, hi = chunk_halves(g0, QG)  # the word offsets of each thread's two 8-byte halves
-                g = g0 + tl.arange(0, QG)[None, :]
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
                     ok = (p >= 0)[:, None]
@@ -506,7 +517,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
                     ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                    tl.store(dst_s + g, qscale, mask=ok & (g < n_groups))
+                    store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
     if SYNC and not STAGE:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
