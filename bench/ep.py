@@ -174,10 +174,12 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share, chunks) for n in args.transports if n.startswith("nvlink") for P in args.comm_sms
+    graph_cases = [(n, P, share, chunks, stage) for n in args.transports if n.startswith("nvlink")
+                   for P in args.comm_sms
                    for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
-                   for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])]
-    for name, P, share, chunks in graph_cases:
+                   for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
+                   for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])]
+    for name, P, share, chunks, stage in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
@@ -185,6 +187,9 @@ def worker(rank, world, port, args, queue):
             tr.copy_share = share
         if chunks is not None:
             tr.combine_chunks = chunks
+        if stage is not None:
+            tr.stage_chunks = stage
+            tr.plan(lay, in_rank)  # the FP8 staging plan for these launches, made before capture
         graphs = {
             "dispatch_bf16": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
                                                           num_worst_tokens=worst, cached=cached)),
@@ -193,7 +198,8 @@ def worker(rank, world, port, args, queue):
             "combine": graph_of(lambda: tr.combine(y, None, lay)),
         }
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
-               "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks}
+               "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks,
+               "stage_chunks": stage}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(_max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -204,7 +210,8 @@ def worker(rank, world, port, args, queue):
         res["graph_rows"].append(row)
         del graphs
         if rank == 0:
-            print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+            print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'}"
+                  f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
                   + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine")) + " us", flush=True)
@@ -212,6 +219,7 @@ def worker(rank, world, port, args, queue):
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share
         transports["nvlink_copy_engine"].combine_chunks = args.combine_chunks[0]
+        transports["nvlink_copy_engine"].stage_chunks = args.stage_chunks[0]
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -337,9 +345,11 @@ def main():
     parser.add_argument("--combine-copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")
     parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
-                        default=[(0.6, 1.0)],
+                        default=[(0.5, 0.8, 1.0)],
                         help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
                              "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
+    parser.add_argument("--stage-chunks", type=int, nargs="+", default=[4],
+                        help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
                         help="nvlink_copy_engine: dispatch shares replayed from CUDA graphs")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())

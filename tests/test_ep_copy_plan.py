@@ -19,6 +19,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     t = object.__new__(nvlink.NvlinkTransport)
     t.rank, t.num_ranks, t.max_tokens, t.copy_share = rank, num_ranks, max_tokens, copy_share
     t.combine_copy_share = copy_share
+    t.num_sms, t.quantize_tokens_per_step = 2, 4  # FP8 staging launches end on rounds of 8 tokens
     t.status = torch.zeros(4, dtype=torch.int32)
     t.device = torch.device("cpu")
     return t
@@ -172,7 +173,12 @@ def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_
     tr = transport(rank, num_ranks, max_tokens=200, copy_share=share)
     tr.stage_chunks = chunks
     plan = tr._stage_split(layout(T, num_ranks, send_start=send_start), in_rank)
-    assert [(a, b) for a, b, _ in plan] == [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
+    # the launches stage the tokens up to the longest copied prefix, rounded up to whole rounds of 8 tokens; the
+    # dispatch's last launch pushes the later tokens' rows itself
+    longest = max(prefix_rows_by_loop(in_rank[:, d].tolist(), share)[0] for d in range(num_ranks) if d != rank)
+    staged_end = min(T, -(-longest // 8) * 8)
+    bounds = nvlink._stage_bounds(staged_end, chunks, 8) if staged_end else [0]
+    assert [(a, b) for a, b, _ in plan] == list(zip(bounds, bounds[1:]))
     for peer in range(num_ranks):
         if peer == rank:
             assert all(p != peer for _, _, copies in plan for p, _, _ in copies)  # own rows: in place, never staged
@@ -190,9 +196,23 @@ def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_
             mine = [r - send_start[peer] for p, first, n in copies if p == peer for r in range(first, first + n)]
             assert not copied_rows & set(mine)  # no row copied twice
             copied_rows |= set(mine)
-        # every row the peer gets is copied once from staging (the fillers' rows, staged by the first launch, too)
-        assert copied_rows == set(range(sum(flags)))
+        # every row of a staged token is copied once from staging (the fillers' rows, staged by the first launch,
+        # too); the later tokens' rows are not
+        assert copied_rows == {rows[t] for t in range(T) if flags[t] and (t < staged_end or t in fillers)}
         assert {rows[t] for t in fillers} == {t for t in range(m) if not flags[t]}
+
+
+@pytest.mark.parametrize("tokens,chunks,round_tokens", [(4096, 4, 320), (4096, 4, 384), (4096, 3, 512), (57, 4, 16),
+                                                       (57, 4, 64), (1000, 7, 16), (320, 4, 320)])
+def test_fp8_staging_launches_end_on_whole_rounds_but_the_last(tokens, chunks, round_tokens):
+    bounds = nvlink._stage_bounds(tokens, chunks, round_tokens)
+    assert bounds[0] == 0 and bounds[-1] == tokens and bounds == sorted(set(bounds))
+    assert all(b % round_tokens == 0 for b in bounds[1:-1])  # only the last launch has a partial round
+    assert len(bounds) - 1 == min(chunks, -(-tokens // round_tokens))  # as many launches as asked, or as rounds
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert max(sizes) - min(sizes[:-1] or sizes) <= 2 * round_tokens  # near equal
+    if (tokens, chunks, round_tokens) == (4096, 4, 320):  # 12.8 rounds: 3, 3, 4 and 2.8 of them, 13 in all
+        assert bounds == [0, 960, 1920, 3200, 4096]
 
 
 def test_fp8_staging_refuses_a_bad_chunk_count_and_rows_past_the_area():

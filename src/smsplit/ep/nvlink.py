@@ -710,6 +710,16 @@ class DispatchSplit:
     host_send_start: list
 
 
+def _stage_bounds(num_tokens: int, chunks: int, round_tokens: int) -> list[int]:
+    """Token bounds of the FP8 staging launches: ``chunks`` ranges near equal, each but the last a whole number of
+    rounds (``round_tokens``: tokens per step times programs), so that only the last launch ends on a partly idle
+    round (4 equal ranges of 4096 tokens at 16 x 20 took 16 rounds where 13 do); fewer ranges if there are fewer
+    rounds."""
+    rounds = num_tokens / round_tokens
+    cuts = {min(num_tokens, round(c * rounds / chunks) * round_tokens) for c in range(1, chunks)}
+    return [0] + sorted(cuts - {0, num_tokens}) + [num_tokens]
+
+
 def _share_of(share: float, n: int) -> int:
     """``ceil(share * n)``, not tripped up by binary fractions (0.7 * 300 is 210.00000000000003)."""
     return min(n, math.ceil(round(share * n, 6)))
@@ -742,8 +752,8 @@ class NvlinkLayout:
             start on each destination, where each source's tokens start here, rows received.
         num_tokens: tokens on this rank.
         num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
-        splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``, ``copy_share``) and (``"combine"``,
-            ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``: the copies the copy engines
+        splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``, ``copy_share``, tokens per
+            round) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``: the copies the copy engines
             make and where the SMs take over (see `NvlinkTransport`), made on first use from a host read.
         sent_pos: the rows the dispatch that returned this layout put the tokens in on each rank, which its combine
             reads back: ``pos``, or a `DispatchSplit`'s ``pos`` when copy engines moved rows ``0 .. m-1`` of x (a
@@ -829,7 +839,7 @@ class NvlinkTransport:
         # (8 spills there)
         self.combine_tokens_per_step = 8 if self.num_ranks == 2 else 4
         self.num_warps = 16  # per program of the dispatch and combine kernels
-        self.combine_chunks = (0.6, 1.0)
+        self.combine_chunks = (0.5, 0.8, 1.0)
         self.stage_chunks = 4
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
@@ -1004,22 +1014,30 @@ class NvlinkTransport:
         done.record(self.copy_stream)
         return done
 
+    def _stage_round(self) -> int:
+        """Tokens an FP8 dispatch launch quantizes per round of its programs."""
+        return self.quantize_tokens_per_step * self.num_sms
+
     def _stage_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
         """For an FP8 dispatch that stages the peers' rows (``bulk="copy_engine"``, quantized in the kernel):
-        ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, ``stage_chunks`` ranges of this
-        rank's tokens and, per peer, the runs of rows on that peer that the launch over them stages (a staged row
+        ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, up to ``stage_chunks`` ranges of this
+        rank's tokens (`_stage_bounds`) and, per peer, the runs of rows on that peer that the launch over them stages (a staged row
         keeps its row number). The rows are those of the BF16 dispatch (`_dispatch_split`), so that a layout puts a
         token on the same row whatever the dispatch moves: rows below the copied prefix's end m go in runs
         ``[a, min(b, m))`` per chunk of tokens ``[a, b)``, holes included (the first launch stages the tokens that
         fill them), the chunk's later tokens after them. Made once per layout."""
         if self.stage_chunks < 1:
             raise ValueError(f"stage_chunks must be >= 1, got {self.stage_chunks}")
-        key = ("stage", self.stage_chunks, self.copy_share)
+        key = ("stage", self.stage_chunks, self.copy_share, self._stage_round())
         if key not in layout.splits:
             split = self._dispatch_split(layout, is_token_in_rank)
             R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
             send_start, pos, copied = split.host_send_start, split.host_pos, split.host_copied.tolist()
-            bounds = [c * T // C for c in range(C + 1)]
+            # the launches stage the tokens up to the longest copied prefix, rounded up to whole rounds (tokens
+            # there past a shorter prefix go as tail runs); the dispatch's last launch pushes the rest itself
+            prefix = max(copied[peer] for peer in range(R) if peer != self.rank) if R > 1 else 0
+            staged_end = min(T, -(-prefix // self._stage_round()) * self._stage_round())
+            bounds = _stage_bounds(staged_end, C, self._stage_round()) if staged_end > 0 else [0]
             chunks = []
             for a, b in zip(bounds, bounds[1:]):
                 runs = []
@@ -1066,7 +1084,8 @@ class NvlinkTransport:
         x_bytes = 1 if (fp8_in or quantize) else 2
         copies = self.bulk == "copy_engine"
         staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
-        key = ("stage", self.stage_chunks, self.copy_share) if staged else ("dispatch", self.copy_share)
+        key = (("stage", self.stage_chunks, self.copy_share, self._stage_round()) if staged
+               else ("dispatch", self.copy_share))
         if copies and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
             raise ValueError("bulk='copy_engine': a dispatch captured in a CUDA graph needs a cached layout that an "
                              "earlier dispatch has used (its copies are planned on the host)")
@@ -1094,7 +1113,7 @@ class NvlinkTransport:
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, copied=None, fill_from=T):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -1108,7 +1127,7 @@ class NvlinkTransport:
                 copied if copied is not None else self._none_copied, fill_from, self.timeout_ns, self.offsets["cx"],
                 t_begin, t_end,
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
-                STAGE=staged, SYNC=sync, HAS_TOPK=topk_idx is not None,
+                STAGE=stage, SYNC=sync, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
@@ -1118,22 +1137,25 @@ class NvlinkTransport:
 
         row_bytes = H * x_bytes
         peers = [peer for peer in range(R) if peer != self.rank]
-        if staged:  # launches over ranges of tokens, each followed by a copy of the rows it staged (the combine
-            # area is the staging area: nothing else uses it during a dispatch), then one that signals and waits
+        if staged:  # launches over the tokens of the copied prefixes, each followed by a copy of the rows it staged
+            # (the combine area is the staging area: nothing else uses it during a dispatch), then one that pushes
+            # the later tokens' rows itself (beside the copies), signals and waits
             chunks = self._stage_split(plans, is_token_in_rank)
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos
             self._copy_start(0)
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
-                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from)
+                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from, stage=True)
                 staged_event = torch.cuda.Event()
                 staged_event.record(torch.cuda.current_stream(self.device))
                 last = c == len(chunks) - 1
                 self._copy_step([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
                                   self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
                                  for peer, row, n in staged_rows], 0, peers if last else [], after=staged_event)
+            if not chunks:  # nothing staged: the peers still wait for this rank's copy-done flag
+                self._copy_step([], 0, peers)
             copied = self._copy_done()
-            launch(T, T, sync=True, copied=split.copied, fill_from=split.fill_from)
+            launch(chunks[-1][1] if chunks else 0, T, sync=True, copied=split.copied)
         elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
             split = self._dispatch_split(plans, is_token_in_rank)
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
