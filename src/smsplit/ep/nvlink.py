@@ -753,8 +753,9 @@ class NvlinkLayout:
         num_tokens: tokens on this rank.
         num_recv_rows: rows of the received tensors (``num_worst_tokens``, or the exact count).
         splits: per (``"dispatch"``, ``copy_share``), (``"stage"``, ``stage_chunks``, ``copy_share``, tokens per
-            round) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``: the copies the copy engines
-            make and where the SMs take over (see `NvlinkTransport`), made on first use from a host read.
+            round) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``:
+            the copies the copy engines make and where the SMs take over (see `NvlinkTransport`), made on first use
+            from a host read.
         sent_pos: the rows the dispatch that returned this layout put the tokens in on each rank, which its combine
             reads back: ``pos``, or a `DispatchSplit`'s ``pos`` when copy engines moved rows ``0 .. m-1`` of x (a
             dispatch with ``cached`` returns a copy of it that shares ``splits``).
@@ -803,7 +804,9 @@ class NvlinkTransport:
             ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as soon as it has landed.
         copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
             for a peer that gets ``n`` rows, rows ``0 .. ceil(copy_share * n)-1`` of x; the SMs push the rest at
-            the same time (both paths then share NVLink; 1.0: copy engines only, but the holes).
+            the same time (both paths then share NVLink; 1.0: copy engines only, but the holes). An FP8 dispatch
+            that quantizes here stages the prefix's rows (its tokens rounded up to whole rounds of the programs)
+            and its last launch pushes the later tokens' rows.
         combine_copy_share: the same for a combine: the copy engines move the first ``ceil(combine_copy_share
             * n)`` of the ``n`` rows received from each source, the SMs push the rest before the sum starts
             (on 2 H200s 1.0 was fastest: the SMs are better used summing the chunks as they land).
@@ -1021,8 +1024,8 @@ class NvlinkTransport:
     def _stage_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> list:
         """For an FP8 dispatch that stages the peers' rows (``bulk="copy_engine"``, quantized in the kernel):
         ``[(first token, end token, [(peer, first row, rows), ...]), ...]``, up to ``stage_chunks`` ranges of this
-        rank's tokens (`_stage_bounds`) and, per peer, the runs of rows on that peer that the launch over them stages (a staged row
-        keeps its row number). The rows are those of the BF16 dispatch (`_dispatch_split`), so that a layout puts a
+        rank's tokens (`_stage_bounds`) and, per peer, the runs of rows on that peer that the launch over them
+        stages (a staged row keeps its row number). The rows are those of the BF16 dispatch (`_dispatch_split`), so that a layout puts a
         token on the same row whatever the dispatch moves: rows below the copied prefix's end m go in runs
         ``[a, min(b, m))`` per chunk of tokens ``[a, b)``, holes included (the first launch stages the tokens that
         fill them), the chunk's later tokens after them. Made once per layout."""
