@@ -24,6 +24,10 @@ for r in 1 2; do
       --warps 16 2>&1 | grep fp8 | sed "s/^/$v /"
   done
 done
+# main at 8 / 32 warps too: the loop holds 2 (token, group) elements per thread at 16 warps and 128 registers; at 8
+# warps a thread may use 255 (slower before the barrier-free loop)
+PYTHONPATH=variants/main/src timeout 60 python3 variants/main/bench/fp8_stage.py --programs 20 --steps 16 --groups 8 \
+  --warps 8 32 2>&1 | grep fp8 | sed "s/^/main /"
 for v in prefetch unroll; do
   PYTHONPATH=variants/$v/src timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
     variants/$v/tests/test_fp8.py \
