@@ -120,6 +120,17 @@ def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
     return torch.cat(rows_x), torch.cat(rows_k), torch.cat(rows_w), torch.cat(rows_src)
 
 
+def expected_combine(x, in_rank, factor=1.0):
+    """What a combine returns when every rank d sends back the rows it received of ``x`` scaled by ``(d + 1) *
+    factor`` in bf16 (as the workers make them): per token, the fp32 sum of those bf16 rows over the ranks it went
+    to (``in_rank``), rounded once to bf16."""
+    acc = torch.zeros(x.shape, device=x.device)
+    for d in range(in_rank.size(1)):
+        sel = in_rank[:, d]
+        acc[sel] += (x[sel].float() * (d + 1) * factor).to(torch.bfloat16).float()
+    return acc.to(torch.bfloat16)
+
+
 def received_order(in_ranks, rank, share):
     """Which row of `expected_dispatch` each received row is with bulk="copy_engine": per source, the rows of its
     copied prefix stay, its first tokens after the prefix fill the prefix's holes (`_prefix_plan`, checked
@@ -214,13 +225,10 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         out, out_w = transport.combine(y, yw, layout)
         torch.cuda.synchronize()
         transport.raise_if_failed()
-        acc = torch.zeros(T_all[rank], H, device=dev)
         acc_w = torch.zeros(T_all[rank], K, device=dev)
         for d in range(world):
-            sel = in_ranks[rank][:, d]
-            acc[sel] += (xs[rank][sel].float() * (d + 1)).to(torch.bfloat16).float()
-            acc_w[sel] += ws[rank][sel] * (d + 1)
-        assert torch.equal(out, acc.to(torch.bfloat16)), f"case {case}: combine differs"
+            acc_w[in_ranks[rank][:, d]] += ws[rank][in_ranks[rank][:, d]] * (d + 1)
+        assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank])), f"case {case}: combine differs"
         torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
     # a peer that never arrives: rank 1 skips the dispatch, rank 0 must raise, naming rank 1
     transport.timeout_ns = int(2e9)
@@ -297,11 +305,8 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
         torch.cuda.synchronize()
         transport.raise_if_failed()
         for f, out in zip(scales, outs):
-            acc = torch.zeros(T, H, device=dev)
-            for d in range(world):
-                sel = in_ranks[rank][:, d]
-                acc[sel] += (xs[rank][sel].float() * (d + 1) * f).to(torch.bfloat16).float()
-            assert torch.equal(out, acc.to(torch.bfloat16)), f"rank {rank}, round {round_}: combine x{f} differs"
+            assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank], f)), \
+                f"rank {rank}, round {round_}: combine x{f} differs"
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
@@ -516,13 +521,10 @@ def _graph_worker(rank, world, port, bulk="sm"):
         assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
         assert torch.equal(rsrc[:n], esrc)
         assert torch.equal(qx[:n].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(qs[:n], ref_s)
-        acc = torch.zeros(T, H, device=dev)
         acc_w = torch.zeros(T, K, device=dev)
         for d in range(world):
-            sel = in_rank[:, d]
-            acc[sel] += (x[sel].float() * (d + 1)).to(torch.bfloat16).float()
-            acc_w[sel] += w[sel]  # the weights go back unscaled
-        assert torch.equal(out, acc.to(torch.bfloat16)), f"round {round_}: combine differs after replay"
+            acc_w[in_rank[:, d]] += w[in_rank[:, d]]  # the weights go back unscaled
+        assert torch.equal(out, expected_combine(x, in_rank)), f"round {round_}: combine differs after replay"
         torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
