@@ -1031,7 +1031,8 @@ class NvlinkTransport:
         fill them), the chunk's later tokens after them. Made once per layout."""
         if self.stage_chunks < 1:
             raise ValueError(f"stage_chunks must be >= 1, got {self.stage_chunks}")
-        key = ("stage", self.stage_chunks, self.copy_share, self._stage_round())
+        round_tokens = self._stage_round()
+        key = ("stage", self.stage_chunks, self.copy_share, round_tokens)
         if key not in layout.splits:
             split = self._dispatch_split(layout, is_token_in_rank)
             R, T, C = self.num_ranks, layout.num_tokens, self.stage_chunks
@@ -1039,8 +1040,8 @@ class NvlinkTransport:
             # the launches stage the tokens up to the longest copied prefix, rounded up to whole rounds (tokens
             # there past a shorter prefix go as tail runs); the dispatch's last launch pushes the rest itself
             prefix = max(copied[peer] for peer in range(R) if peer != self.rank) if R > 1 else 0
-            staged_end = min(T, -(-prefix // self._stage_round()) * self._stage_round())
-            bounds = _stage_bounds(staged_end, C, self._stage_round()) if staged_end > 0 else [0]
+            staged_end = min(T, -(-prefix // round_tokens) * round_tokens)
+            bounds = _stage_bounds(staged_end, C, round_tokens) if staged_end > 0 else [0]
             chunks = []
             for a, b in zip(bounds, bounds[1:]):
                 runs = []
