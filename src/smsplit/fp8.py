@@ -159,14 +159,9 @@ if triton is not None:
         ``(w0, w1, w2, w3)``, each ``[ROWS, GROUPS * 8]``, vector ``v`` of a row holding bytes ``16 v .. 16 v + 15``
         (little-endian words), ready for one 16-byte store per vector (``smsplit.ptx.st_global_na_v4``) where a
         store of fp8 elements through a computed address would be one byte at a time."""
-        b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (ROWS, GROUPS * 8, 2, 2, 2, 2))
-        even, odd = tl.split(b)  # byte 0/2 of each word, byte 1/3
-        b0, b2 = tl.split(even)
-        b1, b3 = tl.split(odd)
-        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # [ROWS, V, 2, 2]: word 2 * hi + lo of each vector
-        lo0, lo1 = tl.split(words)
-        w0, w2 = tl.split(lo0)
-        w1, w3 = tl.split(lo1)
+        v0, v1 = e4m3_v2_words(q, ROWS, GROUPS)  # 8-byte vectors 2 v and 2 v + 1 make vector v
+        w0, w2 = tl.split(tl.reshape(v0, (ROWS, GROUPS * 8, 2)))
+        w1, w3 = tl.split(tl.reshape(v1, (ROWS, GROUPS * 8, 2)))
         return w0, w1, w2, w3
 
     @triton.jit
