@@ -73,7 +73,7 @@ def worker(rank, world, port, args):
         torch.cuda.synchronize()
         if rank == 0:
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=text).sort_stats(args.host_sort).print_stats(args.host_lines)
             print(text.getvalue(), flush=True)
     tmp = torch.empty_like(x)
     alone = {"sm_copy_x_local": median_us(lambda: sm_copy(tmp, x, args.sms)),
@@ -133,6 +133,8 @@ def main():
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--out", default="/tmp/prof")
     parser.add_argument("--host-profile", action="store_true", help="cProfile 20 dispatch + combine calls")
+    parser.add_argument("--host-sort", default="tottime", help="--host-profile: pstats sort key (e.g. cumulative)")
+    parser.add_argument("--host-lines", type=int, default=25, help="--host-profile: functions printed")
     parser.add_argument("--graph", action="store_true", help="profile a CUDA-graph replay of dispatch + combine")
     args = parser.parse_args()
     from smsplit.ep.testing import free_port

@@ -726,7 +726,9 @@ def _share_of(share: float, n: int) -> int:
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
+    """The least power of two >= n (1 for n <= 1), in plain Python: `triton.next_power_of_2` goes through Triton's
+    constexpr-function machinery on the host, nine times per launch."""
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
@@ -902,7 +904,7 @@ class NvlinkTransport:
         for s in shape:
             numel *= s
         start = self.offsets[name]
-        return self.buffer[start: start + numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+        return self.buffer[start: start + numel * dtype.itemsize].view(dtype).view(shape)
 
     def rank_prefix_matrix(self) -> torch.Tensor:
         """DeepEP's ``rank_prefix_matrix`` of the last dispatch with a count exchange (in stream order after it):
