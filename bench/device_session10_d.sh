@@ -8,9 +8,9 @@ clean() { grep -v -i "warn\|symm_mem"; }
 for r in 1 2; do
   for v in before after; do
     root=variants/main; [ $v = after ] && root=.
-    PYTHONPATH=$root/src timeout 60 python3 $root/bench/ep.py --comm-sms 20 --reps 20 --transports nvlink \
+    PYTHONPATH=$root/src timeout 45 python3 $root/bench/ep.py --comm-sms 20 --reps 20 --transports nvlink \
       nvlink_copy_engine --copy-shares 1.0 --concurrent-sms 2>&1 | clean | grep "host per call" | sed "s/^/$v /"
   done
 done
-PYTHONPATH=src timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests 2>&1 | clean > "$OUT/pytest_gpu.log"
+PYTHONPATH=src timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests 2>&1 | clean > "$OUT/pytest_gpu.log"
 tail -5 "$OUT/pytest_gpu.log"
