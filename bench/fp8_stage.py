@@ -8,6 +8,7 @@ Against, on the same programs: the same launch without quantization (bf16 rows s
 (``smsplit.copy.sm_copy``: the rate the programs move bytes at).
 
     PYTHONPATH=src python3 bench/fp8_stage.py --programs 20
+    PYTHONPATH=src python3 bench/fp8_stage.py --programs 20 --peer-only   # each row written once
     ncu -k regex:dispatch_kernel --launch-skip 3 --launch-count 1 python3 bench/fp8_stage.py --once
 
 Writes bench/results/fp8_stage.json (not with --once).
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, time_ms, write_result  # noqa: E402
 
 
-def setup(T, H, E, K, R=2):
+def setup(T, H, E, K, R=2, peer_only=False):
     from smsplit.ep import nvlink
     from smsplit.ep.layout import region_offsets, token_positions
 
@@ -36,6 +37,8 @@ def setup(T, H, E, K, R=2):
     weights = torch.rand(T, K, generator=g).to(dev)
     num_local = E // R
     in_rank = torch.stack([((topk >= r * num_local) & (topk < (r + 1) * num_local)).any(1) for r in range(R)], 1)
+    if peer_only:  # no token stays here: each quantized row is written once, to the staging rows
+        in_rank[:, 0] = False
     offsets, total = region_offsets(nvlink._region_bytes(R, T, H, K), nvlink.ALIGN)  # NvlinkTransport's layout
     buf = torch.zeros(total, dtype=torch.uint8, device=dev)
     layout = torch.zeros(2 * R + 2, dtype=torch.int32, device=dev)
@@ -75,9 +78,12 @@ def main():
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--once", action="store_true", help="one staging launch per config (for ncu), no timing")
+    parser.add_argument("--peer-only", action="store_true",
+                        help="route no token to this rank: each row quantized and written once (to the staging rows), "
+                             "the cost of a staging launch that writes every row once")
     args = parser.parse_args()
     T, H, E, K = 4096, 7168, 256, 8
-    s = setup(T, H, E, K)
+    s = setup(T, H, E, K, peer_only=args.peer_only)
     sent = s["in_rank"].sum(0).tolist()
     fp8_bytes = T * H * 2 + sum(sent) * (H + H // 128 * 4 + K * 12 + 4)  # read bf16; e4m3 rows, scales, metadata
     rows = []
@@ -115,7 +121,7 @@ def main():
             print(f"P={P} TB={tb} warps={warps}{f' QG={qg}' if quantize else ''} {row['kind']}: {row['us']:.1f} us"
                   + (f" ({row['gbps']:.0f} GB/s, staged rows equal: {row['staged_equal']})" if quantize else ""),
                   flush=True)
-    write_result("fp8_stage", {"env": environment(),
+    write_result("fp8_stage_peer_only" if args.peer_only else "fp8_stage", {"env": environment(),
                                "shape": {"tokens": T, "hidden": H, "experts": E, "topk": K, "sent": sent},
                                "fp8_bytes": fp8_bytes, "rows": rows})
 
