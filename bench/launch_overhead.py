@@ -5,7 +5,7 @@ call is the median of 5 such loops (``time.perf_counter``; the GPU work is queue
 * ``dispatch_kernel`` (45 arguments) launched through Triton's JIT (`JITFunction.run`: argument binding and
   specialization, the cache key, the launch), and the same compiled kernel launched directly
   (``CompiledKernel.run`` with the bound arguments), and the pieces of the JIT path alone;
-* ``bump_kernel`` (8 arguments) through the JIT;
+* ``bump_kernel`` (1 argument) through the JIT;
 * a 4-byte ``cuMemcpyDtoDAsync`` through cuda-bindings (as the copy-engine steps make them), an event record, a
   stream wait, ``torch.empty``.
 
@@ -91,11 +91,9 @@ def main():
     other = torch.cuda.Stream()
     event = torch.cuda.Event()
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    summed = s["buf"].data_ptr()
-    status = s["status"].data_ptr()
 
     def bump():
-        nvlink.bump_kernel[(1,)](counter, summed, s["state"], status, R, 0, int(1e9), WAIT_SUMMED=False, num_warps=1)
+        nvlink.bump_kernel[(1,)](counter, num_warps=1)
 
     steps = {
         "dispatch_kernel_jit": jit_launch,

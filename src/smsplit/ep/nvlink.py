@@ -63,8 +63,12 @@ STATE_WORDS = 10
 FAIL_WORD = tl.constexpr(7)
 COPIES_WORD = tl.constexpr(8)
 # shared signal words, 64 bytes per slot: slot [phase] counts the arrivals of a phase's programs per source
-# (notify, dispatch, combine), slot SUMMED_SLOT the combine programs per rank that have finished their sums
+# (notify, dispatch, combine), slot SUMMED_SLOT the combine programs per rank that have finished their sums,
+# slot FREE_SLOT (bulk="copy_engine") word [peer] 1 while this rank may copy a combine's rows into the peer's
+# combine area (the peer has summed the previous ones; the peer's last combine program adds 1, this rank's copy
+# stream waits for 1 and stores 0 before its copies)
 SUMMED_SLOT = tl.constexpr(3)
+FREE_SLOT = tl.constexpr(4)
 
 
 # --- device helpers --------------------------------------------------------------------------------
@@ -108,24 +112,22 @@ def _signal_all(bases_ptr, sig_off, rank, R):
 @triton.jit
 def _finish(state_ptr, phase, expected, per_source, programs, copies_seen, copies_word):
     """The last program of a launch to finish advances the phase's expected arrivals per source
-    (and, when ``copies_seen`` >= 0, stores it in word ``copies_word``) and resets the exit counter."""
+    (and, when ``copies_seen`` >= 0, stores it in word ``copies_word``) and resets the exit counter.
+    Returns whether this program was the last."""
     old = tl.atomic_add(state_ptr + 4 + phase, 1, sem="acq_rel", scope="gpu")
-    if old == programs - 1:
+    last = old == programs - 1
+    if last:
         tl.store(state_ptr + 4 + phase, 0)
         tl.store(state_ptr + phase, expected + per_source)
         if copies_seen >= 0:
             tl.store(state_ptr + copies_word, copies_seen)
+    return last
 
 
 @triton.jit
-def bump_kernel(counter_ptr, summed_ptr, state_ptr, status_addr, R, rank, timeout_ns, WAIT_SUMMED: tl.constexpr):
-    """Add one to a device counter (one thread): the copy-done flag a copy stream then copies to peers.
-    WAIT_SUMMED (a combine's copies): first wait until every peer has summed this rank's previous combine
-    (``summed_ptr[peer]`` reaches this rank's combine arrivals so far), so that no copy overwrites rows a peer
-    still reads."""
-    if WAIT_SUMMED:
-        _wait_for_ranks(summed_ptr.to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, tl.load(state_ptr + 2, volatile=True),
-                        timeout_ns, status_addr.to(tl.pointer_type(tl.int32)), state_ptr + FAIL_WORD, 3)
+def bump_kernel(counter_ptr):
+    """Add one to a device counter (one thread), after a copy stream's chain of copies: the copy-done flag value
+    that the next chain copies to peers."""
     tl.store(counter_ptr, tl.load(counter_ptr) + 1)
 
 
@@ -593,6 +595,10 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
     _wait_for_ranks((own + sig_off + SUMMED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
                     timeout_ns, status_ptr, fail_ptr, 3)
+    if WAIT_COPIES:
+        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free the copy stream, which
+            for d in range(R):  # waits for the same sums unbounded (cuStreamWaitValue32), so that it never hangs
+                tl.store((own + sig_off + FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
     vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
     vmask = vec < n_vec
@@ -657,8 +663,19 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
                           H, K, HB, KP, RP, TB, HAS_WEIGHTS)
+    if WAIT_COPIES:  # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
+        for d in range(R):
+            if (d != rank) & (_pick(landed, cols, d) < CHUNKS - 1):
+                _wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 3)
+        tl.debug_barrier()
     _signal_all(bases_ptr, sig_off + SUMMED_SLOT * 64, rank, R)  # this program's reads of the combine area are done
-    _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
+    last = _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
+    if WAIT_COPIES:
+        if last:  # every program's reads are done: each source's copy stream may copy its next combine's rows
+            for d in range(R):
+                if d != rank:
+                    ptx.atom_add_release_sys((tl.load(bases_ptr + d) + sig_off + FREE_SLOT * 64).to(
+                        tl.pointer_type(tl.int32)) + rank, 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
@@ -737,7 +754,7 @@ def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
     combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": (SUMMED_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
+    return {"signals": (FREE_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -869,9 +886,12 @@ class NvlinkTransport:
 
             self.ops = StreamOps(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
-            # copy-done counters (dispatch, combine), bumped on the copy stream and copied into peers' flags
-            self.copies_done = torch.zeros(2, dtype=torch.int32, device=self.device)
+            # copy-done counters (dispatch, combine): the value the next chain copies into peers' flags (chains
+            # count from 1), bumped on the copy stream after each chain
+            self.copies_done = torch.ones(2, dtype=torch.int32, device=self.device)
             self.base_addrs = list(self.handle.buffer_ptrs)
+            free = self.offsets["signals"] + FREE_SLOT.value * 64
+            self.buffer[free: free + 4 * self.num_ranks].view(torch.int32).fill_(1)  # no combine yet to wait for
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group, device_ids=[self.device.index])
 
@@ -981,24 +1001,29 @@ class NvlinkTransport:
     def _copy(self, steps: list, counter: int) -> torch.cuda.Event:
         """Queue, on the copy stream after the work queued so far on the current stream (the copies' inputs),
         the ``steps`` in order: each ``(copies [(dst, src, nbytes)], flag, peers)`` copies, then this rank's
-        copy-done counter ``counter`` (0: dispatch, 1: combine; bumped first) into word ``flag * R + rank`` of
-        the copy flags of each of ``peers`` (a copy on the same stream starts when the data is in). Returns the
-        event the current stream must wait for (after its kernel), so that the sources stay unchanged until
-        read. Capturable in a CUDA graph (plain copies then)."""
+        copy-done counter ``counter`` (0: dispatch, 1: combine) into word ``flag * R + rank`` of the copy flags
+        of each of ``peers`` (a copy on the same stream starts when the data is in). Returns the event the current
+        stream must wait for (after its kernel), so that the sources stay unchanged until read. Capturable in a
+        CUDA graph (plain copies and stream memory operations then)."""
         self._copy_start(counter)
         for copies, flag, peers in steps:
             self._copy_step(copies, flag, peers)
         return self._copy_done()
 
     def _copy_start(self, counter: int) -> None:
-        """Start a `_copy`: the copy stream waits for the current stream and bumps counter ``counter``."""
+        """Start a `_copy`: the copy stream waits for the current stream and, before a combine's copies (counter
+        1), until every peer has summed this rank's previous combine (its FREE_SLOT word, which it sets once it
+        has this combine's last flag: stream memory operations, so that no kernel precedes the first copy); its
+        flags copy counter ``counter``."""
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
+        if counter == 1:
+            free = self.base_addrs[self.rank] + self.offsets["signals"] + FREE_SLOT.value * 64
+            for peer in range(self.num_ranks):
+                if peer != self.rank:
+                    self.ops.wait_geq(cs, free + 4 * peer, 1)
+                    self.ops.write(cs, free + 4 * peer, 0)
         self._counter = self.copies_done[counter:counter + 1]
-        summed = self.base_addrs[self.rank] + self.offsets["signals"] + SUMMED_SLOT.value * 64
-        with torch.cuda.stream(cs):
-            bump_kernel[(1,)](self._counter, summed, self.state, self._status_addr(), self.num_ranks, self.rank,
-                              self.timeout_ns, WAIT_SUMMED=counter == 1, num_warps=1)
 
     def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
         """One step of a `_copy` (after ``after``, an event of the current stream, when given)."""
@@ -1015,8 +1040,12 @@ class NvlinkTransport:
                             self._counter.data_ptr(), 4)
 
     def _copy_done(self) -> torch.cuda.Event:
+        """End a `_copy`: bump the counter for the next chain; returns the event of the copy stream so far."""
+        cs = self.copy_stream
+        with torch.cuda.stream(cs):
+            bump_kernel[(1,)](self._counter, num_warps=1)
         done = torch.cuda.Event()
-        done.record(self.copy_stream)
+        done.record(cs)
         return done
 
     def _stage_round(self) -> int:
@@ -1207,7 +1236,8 @@ class NvlinkTransport:
             copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
                                     + (self.rank * self.max_tokens + slot) * row_bytes,
                                     y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
-                                  1 + c, sorted({source for source, *_ in chunk})) for c, chunk in enumerate(chunks)], 1)
+                                  1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
+                                  [peer for peer in range(R) if peer != self.rank]) for c, chunk in enumerate(chunks)], 1)
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
