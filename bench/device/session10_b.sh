@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10: (1) where the host time of an eager cached dispatch + combine goes (bench/device_host_profile.sh);
+# Session 10: (1) where the host time of an eager cached dispatch + combine goes (bench/device/host_profile.sh);
 # (2) the copy-engine transport's FP8 dispatch before / after `fp8.e4m3_v4_words` became two `e4m3_v2_words`
 # splits (same bytes; variants/main: `git archive main src bench tests`), eager, 20 SMs, 4 chunks, twice alternating.
 set -u
@@ -14,4 +14,4 @@ for r in 1 2; do
     grep -i "copy_engine" "$OUT/ep_copy_engine_${v}_$r.log" | grep -v "^#" | head -4 | sed "s/^/$v /"
   done
 done
-bash bench/device_host_profile.sh
+bash bench/device/host_profile.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the foundation: environment, GPU tests, sm_split benchmark, demo.
-# Usage on the device machine: bash bench/device_foundation.sh   (writes under $OUT)
+# Usage on the device machine: bash bench/device/foundation.sh   (writes under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

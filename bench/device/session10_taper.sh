@@ -2,7 +2,7 @@
 # Session 10: the FP8 staging launches of `nvlink_copy_engine` in other splits than `_stage_bounds`'s near-equal
 # ranges (the copy of each range runs beside the next launch, so the copy of the last range is the tail), and
 # copy_share 0.9 / 0.95 (the last launch pushes the tokens past the staged rounds itself), 20 SMs. Before the run,
-# here: `bash bench/device_session10_taper.sh prepare` makes variants/taper (main's tree, `_stage_bounds` reading
+# here: `bash bench/device/session10_taper.sh prepare` makes variants/taper (main's tree, `_stage_bounds` reading
 # SMSPLIT_STAGE_ROUNDS: the launches' sizes in rounds, the rest last; benchmark only, not in the library).
 set -u
 if [ "${1:-}" = prepare ]; then
