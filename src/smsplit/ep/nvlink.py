@@ -892,6 +892,7 @@ class NvlinkTransport:
             self.base_addrs = list(self.handle.buffer_ptrs)
             free = self.offsets["signals"] + FREE_SLOT.value * 64
             self.buffer[free: free + 4 * self.num_ranks].view(torch.int32).fill_(1)  # no combine yet to wait for
+            self._free_addr = self.base_addrs[self.rank] + free  # this rank's FREE_SLOT words, per peer
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group, device_ids=[self.device.index])
 
@@ -913,6 +914,11 @@ class NvlinkTransport:
         name = PHASES[phase - 1]
         what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
         raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+
+    @property
+    def _peers(self) -> list:
+        """The other ranks, in order."""
+        return [peer for peer in range(self.num_ranks) if peer != self.rank]
 
     def _status_addr(self) -> int:
         return self.status.data_ptr()
@@ -1018,11 +1024,9 @@ class NvlinkTransport:
         cs = self.copy_stream
         cs.wait_stream(torch.cuda.current_stream(self.device))
         if counter == 1:
-            free = self.base_addrs[self.rank] + self.offsets["signals"] + FREE_SLOT.value * 64
-            for peer in range(self.num_ranks):
-                if peer != self.rank:
-                    self.ops.wait_geq(cs, free + 4 * peer, 1)
-                    self.ops.write(cs, free + 4 * peer, 0)
+            for peer in self._peers:
+                self.ops.wait_geq(cs, self._free_addr + 4 * peer, 1)
+                self.ops.write(cs, self._free_addr + 4 * peer, 0)
         self._counter = self.copies_done[counter:counter + 1]
 
     def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
@@ -1070,7 +1074,7 @@ class NvlinkTransport:
             send_start, pos, copied = split.host_send_start, split.host_pos, split.host_copied.tolist()
             # the launches stage the tokens up to the longest copied prefix, rounded up to whole rounds (tokens
             # there past a shorter prefix go as tail runs); the dispatch's last launch pushes the rest itself
-            prefix = max(copied[peer] for peer in range(R) if peer != self.rank) if R > 1 else 0
+            prefix = max((copied[peer] for peer in self._peers), default=0)
             staged_end = min(T, -(-prefix // round_tokens) * round_tokens)
             bounds = _stage_bounds(staged_end, C, round_tokens) if staged_end > 0 else [0]
             chunks = []
@@ -1171,7 +1175,7 @@ class NvlinkTransport:
             )
 
         row_bytes = H * x_bytes
-        peers = [peer for peer in range(R) if peer != self.rank]
+        peers = self._peers
         if staged:  # launches over the tokens of the copied prefixes, each followed by a copy of the rows it staged
             # (the combine area is the staging area: nothing else uses it during a dispatch), then one that pushes
             # the later tokens' rows itself (beside the copies), signals and waits
@@ -1237,7 +1241,7 @@ class NvlinkTransport:
                                     + (self.rank * self.max_tokens + slot) * row_bytes,
                                     y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
                                   1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
-                                  [peer for peer in range(R) if peer != self.rank]) for c, chunk in enumerate(chunks)], 1)
+                                  self._peers) for c, chunk in enumerate(chunks)], 1)
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
