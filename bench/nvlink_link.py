@@ -4,9 +4,12 @@ The dispatch of the DeepSeek-V3 shape moves ~58.5 MB (BF16) from each rank to th
 same number of bytes with the building blocks a transport can use, for a range of SM counts:
 ``sm_copy(method="ldst")`` (16-byte loads/stores by every thread) and ``sm_copy(method="tma")`` (TMA bulk
 tensor copies through shared memory), each writing into the peer's memory and reading from it, and a copy-engine
-copy (``Tensor.copy_`` between peers: zero SMs). Times are the max over ranks of per-rank medians.
+copy (``Tensor.copy_`` between peers: zero SMs). Times are the max over ranks of per-rank medians. ``--mixed S ...``:
+the copy engine moves the first share S of the bytes while SM programs push the rest, both at once (is the link
+wider than either alone?).
 
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/nvlink_link.py
+                PYTHONPATH=src python3 bench/nvlink_link.py --only-pieces --pieces 4 --mixed 0.5 0.7 0.9 --programs 20 32
 Writes bench/results/nvlink_link.json.
 """
 
@@ -121,6 +124,26 @@ def worker(rank, world, port, args, queue):
                    "peer_and_local_ms": timed(peer_and_local),
                    "sm_local_tma_20_ms": timed(lambda: sm_copy(local, src, 20, method="tma")),
                    "sm_local_ldst_20_ms": timed(lambda: sm_copy(local, src, 20, block=4096, num_warps=16))})
+    for share in args.mixed:  # the copy engine moves the first `share` of the bytes, P SM programs the rest, at once
+        cut = int(nbytes * share) // 16 * 16
+
+        def mixed(P, kw, cut=cut):
+            side[0].wait_stream(stream)
+            with torch.cuda.stream(side[0]):
+                ops.memcpy(side[0], peer_in.data_ptr(), src.data_ptr(), cut)
+            sm_copy(peer_in[cut // 2:], src[cut // 2:], P, **kw)
+            stream.wait_stream(side[0])
+        buf[:n].fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        mixed(20, CONFIGS["ldst_b4096_w16"])
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        g_writer = torch.Generator(device="cpu").manual_seed((rank - 1) % world)  # the rank whose src lands here
+        pieced[f"mixed_{share}_equal"] = bool(torch.equal(buf[:n], torch.randn(n, generator=g_writer).to(dev, torch.bfloat16)))
+        for P in args.programs:
+            for name in ("ldst_b4096_w16", "tma_b1024_s8_w4"):
+                pieced[f"mixed_{share}_{name}_P{P}_ms"] = timed(lambda: mixed(P, CONFIGS[name]))
     for who in range(world):  # one direction only: rank `who` copies, the others wait at the barrier
         dist.barrier(device_ids=[rank])
         if rank == who:
@@ -158,6 +181,8 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--pieces", type=int, default=23, help="copy-engine copies the bytes are cut into")
     parser.add_argument("--only-pieces", action="store_true", help="skip the SM copies")
+    parser.add_argument("--mixed", type=float, nargs="*", default=[],
+                        help="copy-engine shares of a copy split with SM programs, both at once")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     res = run_ranks(worker, args.world, args)
