@@ -1,0 +1,49 @@
+"""The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`) compile for sm_90 with the
+instructions they measure (CPU): the rates in BENCHMARKS.md are of these instructions."""
+
+import sys
+from pathlib import Path
+
+from smsplit import ptx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+TMA_LOAD_2D = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+TMA_LOAD_1D = "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+def test_sm_bandwidth_kernels_read_and_write_as_described():
+    import sm_bandwidth
+
+    text, _ = ptx.compile_for_sm90(sm_bandwidth.read_kernel, {"src": "*i32", "out": "*i32", "n_vec": "i32"},
+                                   {"BLOCK": 4096}, num_warps=16, aligned=("src", "out", "n_vec"))
+    assert ptx.INSTRUCTIONS["ld_global_nc_v4"] in text and "cp.async" not in text
+    loads = {}
+    for stages in (1, 6):
+        text, _ = ptx.compile_for_sm90(sm_bandwidth.read_tma_kernel,
+                                       {"src_desc": "tensordesc<i64[4096]>", "out": "*i64"},
+                                       {"BLOCK": 4096, "STAGES": stages}, num_warps=4, aligned=("out",))
+        loads[stages] = text.count(TMA_LOAD_1D)
+    # 6 stages: the pipeline's prologue issues the next 5 tiles' loads before the loop's own (bytes in flight)
+    assert loads[1] > 0 and loads[6] == 6 * loads[1] and "mbarrier.try_wait" in text
+    text, _ = ptx.compile_for_sm90(sm_bandwidth.write_kernel, {"dst": "*i32", "n_vec": "i32"}, {"BLOCK": 4096},
+                                   num_warps=16, aligned=("dst", "n_vec"))
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and "ld.global" not in text
+
+
+def test_tma_quantize_prototypes_load_through_tma_and_quantize_to_e4m3():
+    import fp8_tma_stage
+
+    aligned = ("pos_ptr", "dst_ptr", "scales_ptr", "T", "H", "rows_per_dest")
+    sig = {"x_desc": "tensordesc<bf16[16,1024]>", "pos_ptr": "*i32", "dst_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
+           "T": "i32", "H": "i32", "rows_per_dest": "i32"}
+    text, _ = ptx.compile_for_sm90(fp8_tma_stage.tma_stage_kernel, sig, {"R": 2, "TB": 16, "QG": 8, "STAGES": 4},
+                                   num_warps=8, aligned=aligned)
+    assert TMA_LOAD_2D in text and "cvt.rn.satfinite.e4m3x2.f32" in text
+    sig = {"xw_desc": "tensordesc<i32[16,512]>", "x_ptr": "*bf16", "pos_ptr": "*i32", "dst_ptr": "*i32",
+           "scales_ptr": "*fp32", "T": "i32", "H": "i32", "rows_per_dest": "i32"}
+    text, _ = ptx.compile_for_sm90(fp8_tma_stage.tma_words_stage_kernel, sig, {"R": 2, "TB": 16, "QG": 8, "STAGES": 3},
+                                   num_warps=16, aligned=aligned)
+    # the staging launch's packed-word quantization, fed from shared memory, stored as 8-byte halves
+    assert TMA_LOAD_2D in text and ptx.INSTRUCTIONS["e4m3x4_from_bf16x4"] in text
+    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["ld_global_nc_v4"] not in text
