@@ -39,19 +39,29 @@ from smsplit.fp8 import quantize_e4m3_groups  # noqa: E402
 
 
 @triton.jit
+def _tiles(T, H, TB: tl.constexpr, QG: tl.constexpr):
+    """This program's tiles (``[TB tokens, QG groups of 128]``: token blocks p, p + P, ..., each in chunks of QG
+    groups) and the chunks per token block."""
+    n_chunks = tl.cdiv(H // 128, QG)
+    pid = tl.program_id(0)
+    return tl.cdiv(tl.cdiv(T, TB) - pid, tl.num_programs(0)) * n_chunks, n_chunks
+
+
+@triton.jit
+def _tile(it, n_chunks, TB: tl.constexpr, QG: tl.constexpr):
+    """The first token and group of this program's tile ``it``."""
+    return (tl.program_id(0) + (it // n_chunks) * tl.num_programs(0)) * TB, (it % n_chunks) * QG
+
+
+@triton.jit
 def tma_stage_kernel(x_desc, pos_ptr, dst_ptr, scales_ptr, T, H, rows_per_dest, R: tl.constexpr, TB: tl.constexpr,
                      QG: tl.constexpr, STAGES: tl.constexpr):
     """Token t's e4m3 row to row ``d * rows_per_dest + pos[t, d]`` of ``dst`` for each d with pos >= 0 (scales the
     same in ``scales``); program p takes token blocks p, p + P, ..., each in chunks of QG groups of 128."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     n_groups = H // 128
-    n_chunks = tl.cdiv(n_groups, QG)
-    n_blocks = tl.cdiv(T, TB)
-    mine = tl.cdiv(n_blocks - pid, programs)
-    for it in tl.range(0, mine * n_chunks, num_stages=STAGES):
-        t0 = (pid + (it // n_chunks) * programs) * TB
-        g0 = (it % n_chunks) * QG
+    n_tiles, n_chunks = _tiles(T, H, TB, QG)
+    for it in tl.range(0, n_tiles, num_stages=STAGES):
+        t0, g0 = _tile(it, n_chunks, TB, QG)
         tile = x_desc.load([t0, g0 * 128])
         q, scale = quantize_e4m3_groups(tl.reshape(tile, (TB, QG, 128)).to(tl.float32), 2)
         q = tl.reshape(q, (TB, QG * 128))
@@ -72,16 +82,11 @@ def tma_words_stage_kernel(xw_desc, x_ptr, pos_ptr, dst_ptr, scales_ptr, T, H, r
     """`tma_stage_kernel` quantizing on packed words as the staging launch does: x as int32 words (``xw_desc``,
     ``[T, H / 2]``, block ``[TB, QG * 64]``), each thread the words of two 16-byte vectors of a group
     (`nvlink.quantize_chunk`), the e4m3 bytes stored as two 8-byte halves per thread (``dst`` as int32 words)."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     n_groups = H // 128
-    n_chunks = tl.cdiv(n_groups, QG)
-    n_blocks = tl.cdiv(T, TB)
-    mine = tl.cdiv(n_blocks - pid, programs)
+    n_tiles, n_chunks = _tiles(T, H, TB, QG)
     row_words = H // 4
-    for it in tl.range(0, mine * n_chunks, num_stages=STAGES):
-        t0 = (pid + (it // n_chunks) * programs) * TB
-        g0 = (it % n_chunks) * QG
+    for it in tl.range(0, n_tiles, num_stages=STAGES):
+        t0, g0 = _tile(it, n_chunks, TB, QG)
         tile = xw_desc.load([t0, g0 * 64])  # [TB, QG * 64]: group g's words are [a/b vector half, thread j, word]
         w = tl.reshape(tl.permute(tl.reshape(tile, (TB, QG, 2, 8, 4)), (0, 1, 3, 2, 4)), (TB, QG, 8, 2, 2, 2))
         even, odd = tl.split(w)  # words 0, 2 / 1, 3 of each vector
