@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# For the next lease (main, not yet run): where a replay's time goes now that the copy chains start with their first
-# copy (the torch profiler over one CUDA-graph replay of nvlink_copy_engine at 20 SMs, FP8 then BF16 dispatch, each
-# with a combine), then the combine's chunks swept again at 20 and 24 SMs (the chain no longer starts with a kernel).
+# Not yet run as a whole. Session 12 ran its FP8 profile (`bench/results/ep_profile_fp8_session12.log`) and a combine
+# chunk sweep at 20 SMs (`ep_combine_chunks_session12.log`); what is left: the BF16 replay's profile and the combine
+# chunks at 24 SMs. (The torch profiler over one CUDA-graph replay of nvlink_copy_engine at 20 SMs, FP8 then BF16
+# dispatch, each with a combine, then the combine's chunks swept at 20 and 24 SMs.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
