@@ -152,6 +152,14 @@ def main():
         return ok
 
     rows = []
+
+    def measure(kernel, label, P, cfg, fn):  # check, time, print and record one configuration
+        ok = check(fn)
+        t = time_ms(fn, warmup=3, repeat=args.reps, inner=10)["median_ms"]
+        name = " ".join(f"{k}={v}" for k, v in cfg.items())
+        print(f"P={P:3d} {label} {name:35s} {t * 1e3:8.1f} us  {'equal' if ok else 'WRONG'}", flush=True)
+        rows.append(dict(kernel=kernel, programs=P, us=t * 1e3, equal=ok, **cfg))
+
     for P in args.programs:
         t_stage = time_ms(lambda: stage_launch(s, P, 16, 16, True), warmup=3, repeat=args.reps, inner=10)["median_ms"]
         print(f"P={P:3d} staging launch (main)                      {t_stage * 1e3:8.1f} us", flush=True)
@@ -162,22 +170,14 @@ def main():
             def fn(cfg=cfg, desc=desc, P=P):
                 tma_stage_kernel[(P,)](desc, pos, dst, scales, T, H, T, R=R, TB=cfg["TB"], QG=cfg["QG"],
                                        STAGES=cfg["STAGES"], num_warps=cfg["warps"])
-            ok = check(fn)
-            t = time_ms(fn, warmup=3, repeat=args.reps, inner=10)["median_ms"]
-            name = " ".join(f"{k}={v}" for k, v in cfg.items())
-            print(f"P={P:3d} tma loop {name:36s} {t * 1e3:8.1f} us  {'equal' if ok else 'WRONG'}", flush=True)
-            rows.append(dict(kernel="tma_loop", programs=P, us=t * 1e3, equal=ok, **cfg))
+            measure("tma_loop", "tma loop ", P, cfg, fn)
         for cfg in words_configs:
             desc = TensorDescriptor(xw, shape=[T, H // 2], strides=[H // 2, 1], block_shape=[cfg["TB"], cfg["QG"] * 64])
 
             def fn(cfg=cfg, desc=desc, P=P):
                 tma_words_stage_kernel[(P,)](desc, x, pos, dst.view(torch.int32), scales, T, H, T, R=R, TB=cfg["TB"],
                                              QG=cfg["QG"], STAGES=cfg["STAGES"], num_warps=cfg["warps"])
-            ok = check(fn)
-            t = time_ms(fn, warmup=3, repeat=args.reps, inner=10)["median_ms"]
-            name = " ".join(f"{k}={v}" for k, v in cfg.items())
-            print(f"P={P:3d} tma words {name:35s} {t * 1e3:8.1f} us  {'equal' if ok else 'WRONG'}", flush=True)
-            rows.append(dict(kernel="tma_words", programs=P, us=t * 1e3, equal=ok, **cfg))
+            measure("tma_words", "tma words", P, cfg, fn)
     write_result("fp8_tma_stage", dict(environment(), rows=rows))
 
 

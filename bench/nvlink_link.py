@@ -129,8 +129,7 @@ def worker(rank, world, port, args, queue):
 
         def mixed(P, kw, cut=cut):
             side[0].wait_stream(stream)
-            with torch.cuda.stream(side[0]):
-                ops.memcpy(side[0], peer_in.data_ptr(), src.data_ptr(), cut)
+            ops.memcpy(side[0], peer_in.data_ptr(), src.data_ptr(), cut)
             sm_copy(peer_in[cut // 2:], src[cut // 2:], P, **kw)
             stream.wait_stream(side[0])
         buf[:n].fill_(float("nan"))
