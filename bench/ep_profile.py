@@ -46,6 +46,11 @@ def worker(rank, world, port, args):
         tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8, num_worst_tokens=worst, cached=lay)
         tr.combine(y, None, lay)
 
+    if args.combine_only:
+        step()
+
+        def step():  # noqa: F811  (the combine of the dispatch above, alone)
+            tr.combine(y, None, lay)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -136,6 +141,7 @@ def main():
     parser.add_argument("--host-sort", default="tottime", help="--host-profile: pstats sort key (e.g. cumulative)")
     parser.add_argument("--host-lines", type=int, default=25, help="--host-profile: functions printed")
     parser.add_argument("--graph", action="store_true", help="profile a CUDA-graph replay of dispatch + combine")
+    parser.add_argument("--combine-only", action="store_true", help="profile the combine alone (its own graph)")
     args = parser.parse_args()
     from smsplit.ep.testing import free_port
 

@@ -1,5 +1,5 @@
-"""The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`) compile for sm_90 with the
-instructions they measure (CPU): the rates in BENCHMARKS.md are of these instructions."""
+"""The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`) compile
+for sm_90 with the instructions they measure (CPU): the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
 from pathlib import Path
@@ -47,3 +47,18 @@ def test_tma_quantize_prototypes_load_through_tma_and_quantize_to_e4m3():
     # the staging launch's packed-word quantization, fed from shared memory, stored as 8-byte halves
     assert TMA_LOAD_2D in text and ptx.INSTRUCTIONS["e4m3x4_from_bf16x4"] in text
     assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["ld_global_nc_v4"] not in text
+
+
+def test_combine_sum_prototypes_read_vectors_and_reduce_in_l2():
+    import combine_red
+
+    aligned = ("pos_ptr", "own_ptr", "peer_ptr", "out_ptr", "H")
+    sig = {"pos_ptr": "*i32", "own_ptr": "*i32", "peer_ptr": "*i32", "out_ptr": "*i32", "T": "i32", "H": "i32"}
+    text, _ = ptx.compile_for_sm90(combine_red.sum_kernel, sig, {"TB": 4, "VEC": 1024}, num_warps=16, aligned=aligned)
+    assert ptx.INSTRUCTIONS["ld_global_nc_v4"] in text and ptx.INSTRUCTIONS["bf16x2_add_as_fp32"] in text
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text
+    red = {k: v for k, v in sig.items() if k != "own_ptr"}
+    text, _ = ptx.compile_for_sm90(combine_red.red_kernel, red, {"TB": 4, "VEC": 1024}, num_warps=16,
+                                   aligned=[a for a in aligned if a != "own_ptr"])
+    # the landed rows go to the L2's adder in 16-byte reductions; nothing is stored by the SM
+    assert "red.global.add.noftz.v4.bf16x2" in text and "st.global" not in text

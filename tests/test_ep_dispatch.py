@@ -266,3 +266,20 @@ def test_reference_backend_on_nccl(case):
     """The same cases through NCCL on two GPUs (the reference backend as the GPU transports' oracle)."""
     world_size, *params = case
     process_pool(world_size, "nccl").run(case_dispatch_combine, 1234 + DISPATCH_CASES.index(case), *params)
+
+
+def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
+    """The device kernels read rows in 16-byte vectors: a view that starts mid-vector or skips elements is copied
+    (`buffer._dense`), an aligned contiguous tensor is passed as it is."""
+    from smsplit.ep.buffer import _dense
+
+    t = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert _dense(t) is t
+    flat = torch.randn(4 * 64 + 16, dtype=torch.bfloat16)
+    start = next(i for i in range(1, 17) if (flat.data_ptr() + 2 * i) % 16)
+    view = flat[start:start + 4 * 64].view(4, 64)
+    dense = _dense(view)
+    assert dense.data_ptr() % 16 == 0 and torch.equal(dense, view)
+    strided = t[:, ::2]
+    dense = _dense(strided)
+    assert dense.is_contiguous() and dense.data_ptr() % 16 == 0 and torch.equal(dense, strided)

@@ -74,6 +74,13 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the device kernels read it: contiguous, rows indexed densely, and 16-byte aligned (their 16-byte
+    vector accesses fault on a view that starts mid-vector; such a view is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 class Buffer:
     """
     Expert-parallel (EP) communication for Mixture-of-Experts layers: dispatch tokens to the ranks that hold their
@@ -565,7 +572,7 @@ class Buffer:
     def _combine_nvlink(self, x, handle, topk_weights, biases):
         rows = handle.num_recv_rows
         out, summed_weights = handle.nvlink_transport.combine(
-            x[:rows].contiguous(), topk_weights[:rows].contiguous() if topk_weights is not None else None,
+            _dense(x[:rows]), _dense(topk_weights[:rows]) if topk_weights is not None else None,
             handle.nvlink_layout)
         if not biases:
             return out, summed_weights
@@ -611,7 +618,7 @@ class Buffer:
         """The data phase of a dispatch through the NVLink kernels. The received tensors are copied out of the
         transport's buffer, so they stay valid like the reference backend's."""
         transport = self._nvlink(values.size(1))
-        dense = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels index rows densely)
+        dense = lambda t: None if t is None else _dense(t)  # noqa: E731
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
             num_local_experts, quantize=quantize,
