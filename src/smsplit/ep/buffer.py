@@ -280,6 +280,8 @@ class Buffer:
             x: `[num_tokens, hidden]` with `torch.bfloat16` (or `torch.float16` / `torch.float32`), or a tuple
                 `(x_fp8, scales)`: `[num_tokens, hidden]` with `torch.float8_e4m3fn` and `[num_tokens, hidden // 128]`
                 with `torch.float32` (`hidden` a multiple of 128), as made by `smsplit.fp8.quantize_1x128`.
+                Any strides and offset: the device backends copy a view that is not contiguous or does not start on
+                a 16-byte boundary before their kernels read it.
             handle: a handle returned by an earlier `dispatch` of this buffer; selects the cached mode.
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
             num_tokens_per_rdma_rank: must be None (intranode only; accepted for DeepEP compatibility).
@@ -501,7 +503,7 @@ class Buffer:
         Arguments:
             x: `[num_recv_tokens, hidden]` (or `[num_worst_tokens, hidden]` if the dispatch padded; the padding rows
                 are ignored) with `torch.bfloat16` (or `torch.float16` / `torch.float32`), rows in the order
-                `dispatch` returned them.
+                `dispatch` returned them; any strides and offset, as for `dispatch`.
             handle: the handle returned by the dispatch being reversed.
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
