@@ -272,12 +272,11 @@ def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
     """The device kernels read rows in 16-byte vectors: a view that starts mid-vector or skips elements is copied
     (`buffer._dense`), an aligned contiguous tensor is passed as it is."""
     from smsplit.ep.buffer import _dense
+    from smsplit.ep.testing import misaligned_copy
 
     t = torch.randn(4, 64, dtype=torch.bfloat16)
     assert _dense(t) is t
-    flat = torch.randn(4 * 64 + 16, dtype=torch.bfloat16)
-    start = next(i for i in range(1, 17) if (flat.data_ptr() + 2 * i) % 16)
-    view = flat[start:start + 4 * 64].view(4, 64)
+    view = misaligned_copy(t)
     dense = _dense(view)
     assert dense.data_ptr() % 16 == 0 and torch.equal(dense, view)
     strided = t[:, ::2]

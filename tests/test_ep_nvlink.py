@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from smsplit import ptx
 from smsplit.ep import nvlink
-from smsplit.ep.testing import free_port
+from smsplit.ep.testing import free_port, misaligned_copy
 from smsplit.fp8 import quantize_1x128
 
 
@@ -351,14 +351,14 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
             common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=topk, topk_weights=w)
-            bf16 = buf.dispatch(_misaligned(x), **common)  # the kernels read 16-byte vectors: the Buffer realigns
+            bf16 = buf.dispatch(misaligned_copy(x), **common)  # the kernels read 16-byte vectors: the Buffer realigns
             q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
             q32 = buf.dispatch(x.float() * 3.0, **common, fp8=True, dequantize=True)  # fp32 quantized in the kernel
             xg = x.clone().requires_grad_(True)
             recv, _, _, _, handle, _ = buf.dispatch(xg, **common)
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
-            combined, combined_w, _ = buf.combine(_misaligned(bf16[0]), bf16[4], topk_weights=bf16[2])
+            combined, combined_w, _ = buf.combine(misaligned_copy(bf16[0]), bf16[4], topk_weights=bf16[2])
             bf16_rows, q_rows, q32_rows = bf16[:3], (q[0][0].view(torch.uint8), q[0][1], q[1]), q32[0]
             if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
                 bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
@@ -372,16 +372,6 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
                 assert torch.equal(a, b), f"seed {seed}: output {i} differs"
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
-
-
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` whose data starts one element past a 16-byte boundary."""
-    flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
-    start = next(i for i in range(1, 17) if (flat.data_ptr() + i * t.element_size()) % 16)
-    out = flat[start:start + t.numel()].view(t.shape)
-    out.copy_(t)
-    assert out.is_contiguous() and out.data_ptr() % 16
-    return out
 
 
 @pytest.mark.gpu

@@ -7,6 +7,8 @@
 `my_case` must be importable by name in the workers (a module-level function). A case that fails on any rank
 raises AssertionError here with every failing rank's traceback; the pool then restarts, since a failed case may
 leave the group's connections in an unknown state.
+
+Also `misaligned_copy(t)`: an input the device kernels cannot read in 16-byte vectors as it is.
 """
 
 import atexit
@@ -17,6 +19,7 @@ import socket
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -35,6 +38,16 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free TCP port between 20000 and 32000 on 127.0.0.1")
+
+
+def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (same device) whose data starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    start = next(i for i in range(1, 17) if (flat.data_ptr() + i * t.element_size()) % 16)
+    out = flat[start:start + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16
+    return out
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results) -> None:
