@@ -99,6 +99,15 @@ def call_times_ms(fn, warmup: int = 3, repeat: int = 10, inner: int = 1, before=
     return times
 
 
+def max_over_ranks(value: float, dev) -> float:
+    """The largest of every rank's ``value`` (a collective on the default group): the slower rank's time."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def join_nccl(rank: int, world: int, port: int) -> torch.device:
     """Make this spawned process rank ``rank`` of an NCCL group on ``cuda:rank`` (the first step of a `run_ranks`
     worker); returns its device."""

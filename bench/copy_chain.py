@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, join_nccl, run_ranks, time_ms, write_result  # noqa: E402
+from common import capture_graph, environment, join_nccl, max_over_ranks, run_ranks, time_ms, write_result  # noqa: E402
 
 
 def worker(rank, world, port, args, queue):
@@ -97,17 +97,9 @@ def worker(rank, world, port, args, queue):
     }
     times = {}
     for name, fn in variants.items():
-        fn()  # compile, plan
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        graph = capture_graph(fn, dev)
         dist.barrier(device_ids=[rank])
-        ms = time_ms(graph.replay, warmup=3, repeat=args.reps)["median_ms"]
-        t = torch.tensor([ms], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[name] = float(t.item()) * 1e3
+        times[name] = max_over_ranks(time_ms(graph.replay, warmup=3, repeat=args.reps)["median_ms"], dev) * 1e3
         del graph
     # a kernel of 20 programs beside the chain, as a combine runs its kernel beside its copies: when does the first
     # copy start after the kernel, with and without the start's wait and reset? One replay each under the profiler.
@@ -123,11 +115,7 @@ def worker(rank, world, port, args, queue):
             chain_fn()  # the copies are queued before the kernel, as combine() does
             sm_copy(scratch, scratch_src, 20, block=4096, num_warps=16)
             torch.cuda.current_stream().wait_stream(cs)
-        both()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            both()
+        graph = capture_graph(both, dev)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import call_times_ms, environment, join_nccl, run_ranks, write_result
+from common import call_times_ms, environment, join_nccl, max_over_ranks, run_ranks, write_result
 
 
 def worker(rank, world, port, args, queue):
@@ -71,9 +71,7 @@ def worker(rank, world, port, args, queue):
         dist.barrier(device_ids=[rank])
 
     def timed(fn, reps=args.reps):
-        t = torch.tensor([statistics.median(call_times_ms(fn, warmup=3, repeat=reps, before=together))], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return max_over_ranks(statistics.median(call_times_ms(fn, warmup=3, repeat=reps, before=together)), dev)
 
     rows = []
     for direction in ("push", "pull"):

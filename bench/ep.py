@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, concurrent_run, environment, join_nccl, routed_tokens, run_ranks,  # noqa: E402
-                    time_ms, write_result)
+from common import (capture_graph, concurrent_run, environment, join_nccl, max_over_ranks, routed_tokens,  # noqa: E402
+                    run_ranks, time_ms, write_result)
 
 
 QUEUED = 5
@@ -62,12 +62,6 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
         tr.raise_if_failed()
         result[name] = bool(torch.equal(out, (source.float() * times).to(torch.bfloat16)))
     return result
-
-
-def _max_over_ranks(value: float, dev) -> float:
-    t = torch.tensor([value], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def worker(rank, world, port, args, queue):
@@ -158,7 +152,7 @@ def worker(rank, world, port, args, queue):
         row["combine_host_us"] = host_us(lambda: tr.combine(y, None, lay))
         for key in list(row):
             if key.endswith("_ms"):
-                row[key] = _max_over_ranks(row[key], dev)
+                row[key] = max_over_ranks(row[key], dev)
         res["rows"].append(row)
         if rank == 0:
             print(f"{name:11s} P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
@@ -201,10 +195,10 @@ def worker(rank, world, port, args, queue):
                "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks,
                "stage_chunks": stage}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
-        row["roundtrip_equal"] = {k: bool(_max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
+        row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
-            row[key + "_graph_ms"] = _max_over_ranks(timed(graph.replay), dev)
-            row[key + "_graph_queued_ms"] = _max_over_ranks(queued(graph.replay), dev)
+            row[key + "_graph_ms"] = max_over_ranks(timed(graph.replay), dev)
+            row[key + "_graph_queued_ms"] = max_over_ranks(queued(graph.replay), dev)
         torch.cuda.synchronize()
         tr.raise_if_failed()
         res["graph_rows"].append(row)
@@ -229,8 +223,8 @@ def worker(rank, world, port, args, queue):
     recv_splits = [int(c[rank]) for c in counts_all]
     recv = torch.empty(sum(recv_splits), H, dtype=torch.bfloat16, device=dev)
     nccl_ms = timed(lambda: dist.all_to_all_single(recv, send, recv_splits, send_counts))
-    res["nccl_all_to_all_ms"] = _max_over_ranks(nccl_ms, dev)
-    res["nccl_all_to_all_queued_ms"] = _max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
+    res["nccl_all_to_all_ms"] = max_over_ranks(nccl_ms, dev)
+    res["nccl_all_to_all_queued_ms"] = max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
                                                                                                send_counts)), dev)
 
     # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
@@ -239,8 +233,8 @@ def worker(rank, world, port, args, queue):
     dst = transport.handle.get_buffer(peer, (n_cross, H), torch.bfloat16, storage_offset=transport.offsets["cx"] // 2)
     src = torch.randn(n_cross, H, generator=g).to(dev, torch.bfloat16)
     ce_ms = timed(lambda: dst.copy_(src))
-    res["copy_engine_ms"] = _max_over_ranks(ce_ms, dev)
-    res["copy_engine_queued_ms"] = _max_over_ranks(queued(lambda: dst.copy_(src)), dev)
+    res["copy_engine_ms"] = max_over_ranks(ce_ms, dev)
+    res["copy_engine_queued_ms"] = max_over_ranks(queued(lambda: dst.copy_(src)), dev)
     res["copy_engine_bytes"] = n_cross * H * 2
     if world > 2:  # the all-to-all ceiling: each peer's rows to that peer, all peers at once (a stream each)
         pieces = [(transport.handle.get_buffer(d, (send_counts[d], H), torch.bfloat16,
@@ -258,7 +252,7 @@ def worker(rank, world, port, args, queue):
             for stream in streams:
                 current.wait_stream(stream)
 
-        res["copy_engine_all_peers_ms"] = _max_over_ranks(timed(to_all_peers), dev)
+        res["copy_engine_all_peers_ms"] = max_over_ranks(timed(to_all_peers), dev)
         res["copy_engine_all_peers_bytes"] = sent_to_peers * H * 2
 
     # SM copies over NVLink, every rank at once: persistent programs writing to / reading from the peer
@@ -269,8 +263,8 @@ def worker(rank, world, port, args, queue):
     local = torch.empty(n_cross, H, dtype=torch.bfloat16, device=dev)
     link = []
     for P in args.comm_sms:
-        w = _max_over_ranks(timed(lambda: sm_copy(dst, src, P, block=4096, num_warps=16)), dev)
-        r = _max_over_ranks(timed(lambda: sm_copy(local, peer_src, P, block=4096, num_warps=16)), dev)
+        w = max_over_ranks(timed(lambda: sm_copy(dst, src, P, block=4096, num_warps=16)), dev)
+        r = max_over_ranks(timed(lambda: sm_copy(local, peer_src, P, block=4096, num_warps=16)), dev)
         link.append({"programs": P, "write_ms": w, "read_ms": r,
                      "write_gbps": n_cross * H * 2 / w / 1e6, "read_gbps": n_cross * H * 2 / r / 1e6})
         if rank == 0:
@@ -302,7 +296,7 @@ def worker(rank, world, port, args, queue):
             with torch.cuda.stream(budget.comm_stream):
                 comm_alone = timed(comm)
             gemm_alone = time_ms(lambda: torch.matmul(a, b), stream=budget.compute_stream, repeat=10)["median_ms"]
-            n_comm = int(_max_over_ranks(max(4, int(1.4 * 20 * gemm_alone / comm_alone)), dev))  # same on all ranks
+            n_comm = int(max_over_ranks(max(4, int(1.4 * 20 * gemm_alone / comm_alone)), dev))  # same on all ranks
             dist.barrier(device_ids=[rank])
             g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20, n_comm)
             torch.cuda.synchronize()

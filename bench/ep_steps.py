@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, environment, join_nccl, routed_tokens, run_ranks, time_ms, write_result  # noqa: E402
+from common import (capture_graph, environment, join_nccl, max_over_ranks, routed_tokens, run_ranks,  # noqa: E402
+                    time_ms, write_result)
 
 
 def worker(rank, world, port, args, queue):
@@ -39,11 +40,9 @@ def worker(rank, world, port, args, queue):
     def replayed_us(fn):
         graph = capture_graph(fn, dev)
         dist.barrier(device_ids=[rank])
-        ms = time_ms(graph.replay, warmup=3, repeat=args.reps, inner=args.queued)["median_ms"]
-        t = torch.tensor([ms], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms = max_over_ranks(time_ms(graph.replay, warmup=3, repeat=args.reps, inner=args.queued)["median_ms"], dev)
         tr.raise_if_failed()
-        return float(t.item()) * 1e3
+        return ms * 1e3
 
     rows = []
     for P in args.comm_sms:

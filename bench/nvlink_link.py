@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, join_nccl, run_ranks, time_ms, write_result  # noqa: E402
+from common import environment, join_nccl, max_over_ranks, run_ranks, time_ms, write_result  # noqa: E402
 
 CONFIGS = {  # name -> sm_copy keyword arguments
     "ldst_b2048_w8": dict(method="ldst", block=2048, num_warps=8),
@@ -56,10 +56,7 @@ def worker(rank, world, port, args, queue):
 
     def timed(fn):
         dist.barrier(device_ids=[rank])
-        ms = time_ms(fn, warmup=3, repeat=args.reps)["median_ms"]
-        t = torch.tensor([ms], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return max_over_ranks(time_ms(fn, warmup=3, repeat=args.reps)["median_ms"], dev)
 
     # correctness of each path once: poison, copy, compare
     torch.cuda.synchronize()
