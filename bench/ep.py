@@ -225,7 +225,7 @@ def worker(rank, world, port, args, queue):
     nccl_ms = timed(lambda: dist.all_to_all_single(recv, send, recv_splits, send_counts))
     res["nccl_all_to_all_ms"] = max_over_ranks(nccl_ms, dev)
     res["nccl_all_to_all_queued_ms"] = max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
-                                                                                               send_counts)), dev)
+                                                                                              send_counts)), dev)
 
     # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
     peer = (rank + 1) % world
