@@ -11,7 +11,8 @@ replays, ranks started together after a barrier.
 
 Measured (session 13, `bench/results/copy_chain_session13.log`, `copy_chain_beside_session13.log`): one copy
 159-162 us, the combine's chain 182-185: 3 pieces +6-8, their flags +6-7 (as stream memory writes no cheaper), the
-bump kernel +6-7, the start's wait and reset +2-4.
+bump kernel +6-7, the start's wait and reset +2-4. Session 14 (`copy_chain_session14.log`): flags on a stream of
+their own (``flag="side"``) were copied after the next chunk, not beside it (they queue behind it on the copy engine).
 
     PYTHONPATH=src python3 bench/copy_chain.py
 Writes bench/results/copy_chain.json.
@@ -52,6 +53,7 @@ def worker(rank, world, port, args, queue):
     counter = torch.ones(1, dtype=torch.int32, device=dev)
     ops = StreamOps(dev)
     cs = torch.cuda.Stream(dev)
+    fs = torch.cuda.Stream(dev)  # flag="side": each chunk's flag on a stream of its own, after the chunk's event
 
     def cuts(fractions):
         ends = [int(nbytes // 16 * f) * 16 for f in fractions]
@@ -71,13 +73,20 @@ def worker(rank, world, port, args, queue):
                     ops.memcpy(cs, peer_flags + 4 * c, counter.data_ptr(), 4)
                 elif flag == "memop":
                     ops.write(cs, peer_flags + 4 * c, 1)
+                elif flag == "side":  # the next chunk starts while this one's flag is copied
+                    fs.wait_stream(cs)
+                    ops.memcpy(fs, peer_flags + 4 * c, counter.data_ptr(), 4)
                 if start == "wait_late_reset" and c == 0:
                     ops.write(cs, own_flags.data_ptr() + 4 * 40, 0)
             if bump:
+                if flag == "side":
+                    cs.wait_stream(fs)  # the flags have read the counter
                 with torch.cuda.stream(cs):
                     bump_kernel[(1,)](counter, num_warps=1)
             if join:
                 main.wait_stream(cs)
+                if flag == "side":
+                    main.wait_stream(fs)
         return fn
 
     own_flags.zero_()
@@ -92,6 +101,11 @@ def worker(rank, world, port, args, queue):
         "chunks3_wait_only": chain([0.5, 0.8, 1.0], flag="copy", start="wait", bump=True),
         "chunks3_late_reset": chain([0.5, 0.8, 1.0], flag="copy", start="wait_late_reset", bump=True),
         "chunks3_memop_all": chain([0.5, 0.8, 1.0], flag="memop", start="wait_late_reset", bump=False),
+        "chunks3_side_flags": chain([0.5, 0.8, 1.0], flag="side", start=None, bump=False),
+        "chunks3_side_flags_bump": chain([0.5, 0.8, 1.0], flag="side", start=None, bump=True),
+        "chunks4_copy_flags": chain([0.5, 0.75, 0.9, 1.0], flag="copy", start=None, bump=False),
+        "chunks4_side_flags": chain([0.5, 0.75, 0.9, 1.0], flag="side", start=None, bump=False),
+        "chunks6_side_flags": chain([0.3, 0.5, 0.68, 0.82, 0.93, 1.0], flag="side", start=None, bump=False),
         "chunks6_copy_flags": chain([0.3, 0.5, 0.68, 0.82, 0.93, 1.0], flag="copy", start=None, bump=False),
         "chunks6_memop_flags": chain([0.3, 0.5, 0.68, 0.82, 0.93, 1.0], flag="memop", start=None, bump=False),
     }
@@ -108,13 +122,15 @@ def worker(rank, world, port, args, queue):
     scratch = torch.empty(24 << 20, dtype=torch.uint8, device=dev)
     scratch_src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device=dev)
     beside = {}
-    for name, start in (("kernel_beside_main_chain", "wait_reset"), ("kernel_beside_chain_no_start", None)):
-        chain_fn = chain([0.5, 0.8, 1.0], flag="copy", start=start, bump=True, join=False)
+    for name, start, flag in (("kernel_beside_main_chain", "wait_reset", "copy"),
+                              ("kernel_beside_chain_no_start", None, "copy"),
+                              ("kernel_beside_side_flags_no_start", None, "side")):
+        chain_fn = chain([0.5, 0.8, 1.0], flag=flag, start=start, bump=True, join=False)
 
         def both(chain_fn=chain_fn):
             chain_fn()  # the copies are queued before the kernel, as combine() does
             sm_copy(scratch, scratch_src, 20, block=4096, num_warps=16)
-            torch.cuda.current_stream().wait_stream(cs)
+            torch.cuda.current_stream().wait_stream(cs)  # (with bump, cs has waited for the side flags)
         graph = capture_graph(both, dev)
         for _ in range(3):
             graph.replay()

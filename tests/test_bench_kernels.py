@@ -1,5 +1,6 @@
-"""The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`) compile
-for sm_90 with the instructions they measure (CPU): the rates in BENCHMARKS.md are of these instructions."""
+"""The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
+`bench/combine_timeline.py`) compile for sm_90 with the instructions they measure (CPU): the rates in BENCHMARKS.md
+are of these instructions."""
 
 import sys
 from pathlib import Path
@@ -62,3 +63,11 @@ def test_combine_sum_prototypes_read_vectors_and_reduce_in_l2():
                                    aligned=[a for a in aligned if a != "own_ptr"])
     # the landed rows go to the L2's adder in 16-byte reductions; nothing is stored by the SM
     assert "red.global.add.noftz.v4.bf16x2" in text and "st.global" not in text
+
+
+def test_combine_timeline_observer_reads_the_clock_and_spins_on_each_flag():
+    import combine_timeline
+
+    sig = {"flags_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "peer": "i32", "R": "i32", "timeout_ns": "i64"}
+    text, _ = ptx.compile_for_sm90(combine_timeline.observe_kernel, sig, {"CHUNKS": 3}, num_warps=1)
+    assert text.count("ld.acquire.sys.global.b32") == 3 and text.count("%globaltimer") >= 4

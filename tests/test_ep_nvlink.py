@@ -317,6 +317,77 @@ def test_combines_in_a_row_keep_each_ones_rows(bulk):
     mp.spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
 
 
+def _late_copies_worker(rank, world, port):
+    """A combine whose copies start late (a sleep queued on the copy stream first), eager and replayed from a CUDA
+    graph, while its kernel sums at once: with ``combine_copy_share`` < 1 a block of tokens whose last row the
+    source's SMs pushed may still hold rows of the last copied chunk, and must wait for that chunk's flag before it
+    sums. Here about 30 rows are copied, in two chunks, and the block of tokens 24..31 (the first block of program
+    3: 8 programs, 8 tokens per step) holds rows of the second chunk and pushed rows."""
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 512, 2048, 32, 8
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
+                                       timeout_s=20, bulk="copy_engine")
+    assert transport.combine_tokens_per_step == 8
+    transport.combine_copy_share = 0.06
+    transport.combine_chunks = (0.5, 1.0)
+    num_local = E // world
+    g = torch.Generator(device="cpu").manual_seed(11)
+    xs = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(world)]
+    topks = [torch.randint(0, E, (T, K), generator=g).to(dev) for _ in range(world)]
+    in_ranks = [torch.stack([((t >= r * num_local) & (t < (r + 1) * num_local)).any(1) for r in range(world)], 1)
+                for t in topks]
+    rx, _, _, _, _, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    torch.cuda.synchronize()
+    n = int(torch.as_tensor(layout.num_recv_tokens).item())
+    for round_, f in enumerate((1.0, -2.0, 3.0, 0.5)):  # new rows each round: stale ones would show
+        y = (rx[:n].float() * (rank + 1) * f).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        with torch.cuda.stream(transport.copy_stream):
+            torch.cuda._sleep(2_000_000)  # about a millisecond before this rank's copies may start
+        out, _ = transport.combine(y, None, layout)
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank], f)), \
+            f"rank {rank}, round {round_}: combine differs"
+    # the same replayed from a CUDA graph: no host between the kernel's start and the copies'
+    y = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
+
+    def step():
+        transport.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(transport.copy_stream):
+            torch.cuda._sleep(2_000_000)
+        return transport.combine(y, None, layout)[0]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for round_, f in enumerate((-1.0, 2.0, 0.25)):
+        y.copy_((rx[:n].float() * (rank + 1) * f).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        transport.raise_if_failed()
+        assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank], f)), \
+            f"rank {rank}, replay {round_}: combine differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_combine_sums_no_row_before_its_chunk_lands():
+    mp.spawn(_late_copies_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
 def in_reference_order(t, handle, rank):
     """Rows ``t`` received with ``handle`` sorted by (source rank, source token index) (the rows past the received
     tokens stay): the order of the reference backend."""

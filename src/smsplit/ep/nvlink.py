@@ -640,6 +640,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
         ends_here = (own_buf + off_chunk_ends).to(tl.pointer_type(tl.int32), bitcast=True)
         ends = tl.load(ends_here + cols[:, None] * CHUNKS + cc[None, :], mask=(cols[:, None] < R) & (cc[None, :] < CHUNKS),
                        other=2**30, volatile=True)  # [RP, CP] chunk ends per source
+        copied_end = tl.max(tl.where(cc[None, :] == CHUNKS - 1, ends, -1), axis=1)  # [RP] rows copied per source
         landed = tl.full((RP,), -1, tl.int32)  # per source, the last chunk this program has seen arrive
         flags = (own + off_copied).to(tl.pointer_type(tl.int32))  # chunk c's flag from source d: word c * R + d
     # the combine area as typed pointers off this rank's buffer tensor (alignment known: loads vectorize)
@@ -651,9 +652,12 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
         if WAIT_COPIES:
             pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :], mask=(t < T)[:, None] & (cols[None, :] < R),
                           other=-1)
-            last = tl.max(pos, axis=0)  # [RP] the last row each source returns for these tokens
-            need = tl.sum((ends <= last[:, None]).to(tl.int32), axis=1)  # its chunk (CHUNKS: pushed by SMs)
-            need = tl.where((last >= 0) & (need < CHUNKS) & (cols != rank), need, -1)
+            # [RP] the last copied row each source returns for these tokens (rows past the copies were pushed by
+            # the source's SMs before the barrier above: a block whose last row was pushed may still hold copied
+            # rows of the last chunk)
+            last = tl.max(tl.where(pos < copied_end[None, :], pos, -1), axis=0)
+            need = tl.sum((ends <= last[:, None]).to(tl.int32), axis=1)  # its chunk
+            need = tl.where((last >= 0) & (cols != rank), need, -1)
             if tl.max(need - landed, axis=0) > 0:
                 for d in range(R):
                     c = _pick(need, cols, d)
@@ -1004,25 +1008,30 @@ class NvlinkTransport:
             layout.splits[key] = (chunks, torch.tensor(ends, device=self.device))
         return layout.splits[key]
 
-    def _copy(self, steps: list, counter: int) -> torch.cuda.Event:
-        """Queue, on the copy stream after the work queued so far on the current stream (the copies' inputs),
-        the ``steps`` in order: each ``(copies [(dst, src, nbytes)], flag, peers)`` copies, then this rank's
-        copy-done counter ``counter`` (0: dispatch, 1: combine) into word ``flag * R + rank`` of the copy flags
-        of each of ``peers`` (a copy on the same stream starts when the data is in). Returns the event the current
-        stream must wait for (after its kernel), so that the sources stay unchanged until read. Capturable in a
-        CUDA graph (plain copies and stream memory operations then)."""
-        self._copy_start(counter)
+    def _copy(self, steps: list, counter: int, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        """Queue, on the copy stream after ``after`` (an event of the current stream, recorded once the copies'
+        inputs are queued; None: after the work queued so far on the current stream), the ``steps`` in order:
+        each ``(copies [(dst, src, nbytes)], flag, peers)`` copies, then this rank's copy-done counter ``counter``
+        (0: dispatch, 1: combine) into word ``flag * R + rank`` of the copy flags of each of ``peers`` (a copy on
+        the same stream starts when the data is in). Returns the event the current stream must wait for (after its
+        kernel), so that the sources stay unchanged until read. Capturable in a CUDA graph (plain copies and stream
+        memory operations then). A kernel that runs beside the copies is queued before them, after ``after``: in a
+        CUDA graph it then starts about 20 us earlier than when queued after them (`bench/combine_timeline.py`)."""
+        self._copy_start(counter, after)
         for copies, flag, peers in steps:
             self._copy_step(copies, flag, peers)
         return self._copy_done()
 
-    def _copy_start(self, counter: int) -> None:
-        """Start a `_copy`: the copy stream waits for the current stream and, before a combine's copies (counter
-        1), until every peer has summed this rank's previous combine (its FREE_SLOT word, which it sets once it
-        has this combine's last flag: stream memory operations, so that no kernel precedes the first copy); its
-        flags copy counter ``counter``."""
+    def _copy_start(self, counter: int, after: torch.cuda.Event | None = None) -> None:
+        """Start a `_copy`: the copy stream waits for ``after`` (else the current stream) and, before a combine's
+        copies (counter 1), until every peer has summed this rank's previous combine (its FREE_SLOT word, which it
+        sets once it has this combine's last flag: stream memory operations, so that no kernel precedes the first
+        copy); its flags copy counter ``counter``."""
         cs = self.copy_stream
-        cs.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            cs.wait_event(after)
+        else:
+            cs.wait_stream(torch.cuda.current_stream(self.device))
         if counter == 1:
             for peer in self._peers:
                 self.ops.wait_geq(cs, self._free_addr + 4 * peer, 1)
@@ -1195,12 +1204,15 @@ class NvlinkTransport:
                 self._copy_step([], 0, peers)
             copied = self._copy_done()
             launch(chunks[-1][1] if chunks else 0, T, sync=True, copied=split.copied)
-        elif copies:  # queued before the kernel, which moves this rank's own rows, the rest, and metadata meanwhile
+        elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
-            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
-                                   for peer, m, row in split.copies], 0, peers)], 0)  # every peer waits for it
-            pos = split.pos
+            pos = split.pos  # (the launch reads it)
+            inputs_ready = torch.cuda.Event()
+            inputs_ready.record(torch.cuda.current_stream(self.device))
             launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from)
+            copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
+                                   for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
+                                after=inputs_ready)
         else:
             launch(0, T, sync=True)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
@@ -1234,14 +1246,10 @@ class NvlinkTransport:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
         chunk_ends = self._all_by_sms
-        if copies:  # queued before the kernel, which pushes the rest and the weights and sums as chunks land
+        if copies:
             chunks, chunk_ends = self._combine_split(layout)
-            row_bytes = H * 2
-            copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
-                                    + (self.rank * self.max_tokens + slot) * row_bytes,
-                                    y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
-                                  1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
-                                  self._peers) for c, chunk in enumerate(chunks)], 1)
+            inputs_ready = torch.cuda.Event()
+            inputs_ready.record(torch.cuda.current_stream(self.device))
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
@@ -1257,6 +1265,12 @@ class NvlinkTransport:
             HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
             TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
         )
-        if copies:
+        if copies:  # queued after the kernel (which pushes the rest and the weights and sums as chunks land)
+            row_bytes = H * 2
+            copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
+                                    + (self.rank * self.max_tokens + slot) * row_bytes,
+                                    y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
+                                  1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
+                                  self._peers) for c, chunk in enumerate(chunks)], 1, after=inputs_ready)
             torch.cuda.current_stream(self.device).wait_event(copied)
         return out, out_w
