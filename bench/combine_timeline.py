@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, environment, join_nccl, routed_tokens, run_ranks, write_result  # noqa: E402
+from common import (capture_graph, copy_engine_combine_inputs, environment, join_nccl, run_ranks,  # noqa: E402
+                    write_result)
 
 from smsplit import ptx  # noqa: E402
 
@@ -49,20 +50,14 @@ def observe_kernel(flags_ptr, seen_ptr, out_ptr, peer, R, timeout_ns, CHUNKS: tl
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    from smsplit.ep.nvlink import COPIES_WORD, NvlinkTransport
+    from smsplit.ep.nvlink import COPIES_WORD, MAX_CHUNKS
     from smsplit.trace import Trace
 
-    T, H, E, K = 4096, 7168, 256, 8
-    num_local = E // world
-    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
-    worst = world * T
-    tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H, max_topk=K,
-                         bulk="copy_engine")
-    *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
-    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+    inputs = copy_engine_combine_inputs(rank, world, dev, max(args.comm_sms))
+    tr, lay, y = inputs.tr, inputs.layout, inputs.y
     peer = (rank + 1) % world
     off = tr.offsets["copied"] + 4 * world
-    flags = tr.buffer[off:off + 4 * 8 * world].view(torch.int32)  # chunk c's flag from d: word c * R + d
+    flags = tr.buffer[off:off + 4 * MAX_CHUNKS * world].view(torch.int32)  # chunk c's flag from d: word c * R + d
     seen = tr.state[COPIES_WORD.value + 1:]
     side = torch.cuda.Stream(dev)
     rows = []
@@ -96,8 +91,7 @@ def worker(rank, world, port, args, queue):
                 if i < args.warmup:
                     continue
                 o = obs.tolist()
-                trace._host_records = None  # (records() keeps what it read first)
-                rec = trace.records()
+                rec = trace.records(reread=True)
                 rec = rec[-P:]  # this replay's combine programs (the graph writes the same slots each time)
                 t0 = o[0]
                 samples.append({"event_us": start.elapsed_time(end) * 1e3,

@@ -135,6 +135,29 @@ def routed_tokens(rank: int, world: int, dev, tokens: int = 4096, hidden: int = 
     return x, topk_idx, topk_weights, in_rank, g
 
 
+def copy_engine_combine_inputs(rank: int, world: int, dev, num_sms: int):
+    """DeepSeek-V3 shape (4096 tokens x 7168, 256 experts, top-8) on a ``bulk="copy_engine"`` `NvlinkTransport` of
+    ``num_sms`` SMs: the routed inputs (`routed_tokens`), a dispatch padded to every token (``num_worst_tokens``)
+    for its layout, and random expert outputs ``y`` to combine; the combine's copies planned. Returns a namespace
+    with ``tr, x, topk, weights, in_rank, num_local, worst, layout, y``."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from smsplit.ep.nvlink import NvlinkTransport
+
+    T, H, E, K = 4096, 7168, 256, 8
+    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
+    num_local, worst = E // world, world * T
+    tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=num_sms, max_tokens=T, hidden=H, max_topk=K, bulk="copy_engine")
+    *_, layout = tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
+    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+    tr.combine(y, None, layout)
+    torch.cuda.synchronize()
+    return SimpleNamespace(tr=tr, x=x, topk=topk, weights=weights, in_rank=in_rank, num_local=num_local, worst=worst,
+                           layout=layout, y=y)
+
+
 def capture_graph(fn, dev) -> torch.cuda.CUDAGraph:
     """``fn`` run once on a side stream (compiles kernels, plans copies), then captured in a CUDA graph."""
     side = torch.cuda.Stream(dev)

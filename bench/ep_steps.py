@@ -14,28 +14,18 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, environment, join_nccl, max_over_ranks, routed_tokens, run_ranks,  # noqa: E402
+from common import (capture_graph, copy_engine_combine_inputs, environment, join_nccl, max_over_ranks, run_ranks,  # noqa: E402
                     time_ms, write_result)
 
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    from smsplit.ep.nvlink import NvlinkTransport
-
-    T, H, E, K = 4096, 7168, 256, 8
-    num_local = E // world
-    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
-    worst = world * T
-    tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H, max_topk=K,
-                         bulk="copy_engine")
-    *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
-    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
-    tr.combine(y, None, lay)  # plans the combine's copies
-    torch.cuda.synchronize()
+    inputs = copy_engine_combine_inputs(rank, world, dev, max(args.comm_sms))
+    tr, x, topk, weights, in_rank = inputs.tr, inputs.x, inputs.topk, inputs.weights, inputs.in_rank
+    num_local, worst, lay, y = inputs.num_local, inputs.worst, inputs.layout, inputs.y
 
     def replayed_us(fn):
         graph = capture_graph(fn, dev)

@@ -7,8 +7,8 @@ reads the rows it sends back out of its memory and the peer's writes the rows th
 sum kernels of `bench/combine_red.py` (the combine's own sum, 8 tokens per step as with 2 ranks, and the same in
 explicit 16-byte vectors) are timed alone and while a copy-engine copy of 58.7 MB into the peer runs (every rank at
 once, so rows also arrive), and, to tell the link from the memory, beside a copy of the same bytes within this GPU.
-Sum: CUDA events around the kernel alone on its stream, the copy started just before on another; median over
-replays, max over ranks.
+Sum: CUDA events around the kernel alone on its stream (`common.call_times_ms`), the copy queued just before on
+another; median over replays, max over ranks.
 
     PYTHONPATH=src python3 bench/sum_beside_copy.py --programs 20 32
 Writes bench/results/sum_beside_copy.json.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, join_nccl, max_over_ranks, run_ranks, write_result  # noqa: E402
+from common import call_times_ms, environment, join_nccl, max_over_ranks, run_ranks, write_result  # noqa: E402
 
 
 def worker(rank, world, port, args, queue):
@@ -70,22 +70,16 @@ def worker(rank, world, port, args, queue):
             equal = bool(torch.equal(out.view(torch.int16), ref.view(torch.int16)))
             row = {"programs": P, "sum": name, "equal": equal}
             for what, copy in beside.items():
-                times = []
-                for i in range(args.warmup + args.reps):
+                def before(copy=copy):  # the GPUs idle and the ranks together, then the copy queued on its stream
                     torch.cuda.synchronize()
                     dist.barrier(device_ids=[rank])
                     if copy is not None:
                         side.wait_stream(torch.cuda.current_stream())
                         with torch.cuda.stream(side):
                             copy()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    run(P)
-                    end.record()
-                    torch.cuda.current_stream().wait_stream(side)
-                    torch.cuda.synchronize()
-                    if i >= args.warmup:
-                        times.append(start.elapsed_time(end))
+
+                times = call_times_ms(lambda: run(P), warmup=args.warmup, repeat=args.reps, before=before)
+                torch.cuda.synchronize()
                 row[f"{what}_us"] = max_over_ranks(statistics.median(times), dev) * 1e3
             rows.append(row)
             if rank == 0:

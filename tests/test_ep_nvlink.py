@@ -271,6 +271,18 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
+def _every_ranks_tokens(seed, world, dev, T, H, E, K):
+    """Every rank's tokens, top-k expert ids (uniform, no drops) and destination ranks, drawn from one seed, so that
+    each rank can compute any rank's expected result."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    num_local = E // world
+    xs = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(world)]
+    topks = [torch.randint(0, E, (T, K), generator=g).to(dev) for _ in range(world)]
+    in_ranks = [torch.stack([((t >= r * num_local) & (t < (r + 1) * num_local)).any(1) for r in range(world)], 1)
+                for t in topks]
+    return xs, topks, in_ranks
+
+
 def _combines_in_a_row_worker(rank, world, port, bulk):
     """Combines of one dispatch queued back to back (no dispatch, no host synchronization between) while rank 1's
     GPU is slowed by a GEMM on another stream: each result must still be its own inputs' sum (a combine must not
@@ -280,11 +292,7 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
     transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
                                        timeout_s=20, bulk=bulk)
     num_local = E // world
-    g = torch.Generator(device="cpu").manual_seed(7)
-    xs = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(world)]
-    topks = [torch.randint(0, E, (T, K), generator=g).to(dev) for _ in range(world)]
-    in_ranks = [torch.stack([((t >= r * num_local) & (t < (r + 1) * num_local)).any(1) for r in range(world)], 1)
-                for t in topks]
+    xs, topks, in_ranks = _every_ranks_tokens(7, world, dev, T, H, E, K)
     rx, _, _, _, rsrc, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
@@ -331,11 +339,7 @@ def _late_copies_worker(rank, world, port):
     transport.combine_copy_share = 0.06
     transport.combine_chunks = (0.5, 1.0)
     num_local = E // world
-    g = torch.Generator(device="cpu").manual_seed(11)
-    xs = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(world)]
-    topks = [torch.randint(0, E, (T, K), generator=g).to(dev) for _ in range(world)]
-    in_ranks = [torch.stack([((t >= r * num_local) & (t < (r + 1) * num_local)).any(1) for r in range(world)], 1)
-                for t in topks]
+    xs, topks, in_ranks = _every_ranks_tokens(11, world, dev, T, H, E, K)
     rx, _, _, _, _, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())

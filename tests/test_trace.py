@@ -98,6 +98,25 @@ def test_copy_is_exact_and_every_program_records_itself(method):
 
 
 @pytest.mark.gpu
+def test_records_reread_sees_a_replayed_graphs_new_records():
+    device = torch.device("cuda")
+    src = torch.randn(2**20, device=device)
+    dst = torch.empty_like(src)
+    trace = Trace(device)
+    sm_copy(dst, src, num_programs=8)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sm_copy(dst, src, num_programs=8, trace=trace, name="copy")
+    graph.replay()
+    first = trace.records().copy()
+    torch.cuda._sleep(1_000_000)  # the clock moves on between replays
+    graph.replay()
+    assert (trace.records() == first).all()  # what it read first
+    again = trace.records(reread=True)
+    assert len(again) == len(first) == 8 and (again[:, 1] > first[:, 2].max()).all()
+
+
+@pytest.mark.gpu
 def test_copy_rejects_bad_input_before_launch():
     src = torch.randn(100, device="cuda")
     with pytest.raises(ValueError, match="must match"):

@@ -149,10 +149,11 @@ class Trace:
         trace._host_records = rows
         return trace
 
-    def records(self) -> np.ndarray:
+    def records(self, reread: bool = False) -> np.ndarray:
         """All records as an int64 array ``[n, 4]`` of (sm, start_ns, end_ns, tag_id), spans
-        expanded to one row per SM. Synchronizes the device."""
-        if self._host_records is not None:
+        expanded to one row per SM. Synchronizes the device the first time (later calls return what
+        it read), or again with ``reread=True``: a CUDA graph replayed rewrites the same records."""
+        if self._host_records is not None and (not reread or self._buffer is None):
             return self._host_records
         torch.cuda.synchronize(self.device)
         raw = self._buffer[: self._used].cpu().numpy()

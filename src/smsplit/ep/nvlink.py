@@ -26,8 +26,9 @@ word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank,
 
 Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. A dispatch
 does not wait for peers to finish reading them before writing into their buffers: a caller must order calls
-so that no rank starts the next dispatch while a peer still reads the previous one's results.
-`smsplit.ep.Buffer(backend="nvlink")` does (a host exchange before every call) and copies the results out. A dispatch bumps the buffer's autograd version, so a backward that
+so that no rank starts the next dispatch while a peer still reads the previous one's results. An uncached dispatch
+does (its count exchange waits for every peer to arrive); `smsplit.ep.Buffer` eager calls do (a host exchange before
+every call) and copy the results out; cached dispatches in a row in one CUDA graph do not (a known race, docs/ep.md). A dispatch bumps the buffer's autograd version, so a backward that
 saved a view raises instead of reading overwritten data.
 """
 
@@ -1008,9 +1009,9 @@ class NvlinkTransport:
             layout.splits[key] = (chunks, torch.tensor(ends, device=self.device))
         return layout.splits[key]
 
-    def _copy(self, steps: list, counter: int, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    def _copy(self, steps: list, counter: int, after: torch.cuda.Event) -> torch.cuda.Event:
         """Queue, on the copy stream after ``after`` (an event of the current stream, recorded once the copies'
-        inputs are queued; None: after the work queued so far on the current stream), the ``steps`` in order:
+        inputs are queued), the ``steps`` in order:
         each ``(copies [(dst, src, nbytes)], flag, peers)`` copies, then this rank's copy-done counter ``counter``
         (0: dispatch, 1: combine) into word ``flag * R + rank`` of the copy flags of each of ``peers`` (a copy on
         the same stream starts when the data is in). Returns the event the current stream must wait for (after its
@@ -1194,8 +1195,7 @@ class NvlinkTransport:
             self._copy_start(0)
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
                 launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from, stage=True)
-                staged_event = torch.cuda.Event()
-                staged_event.record(torch.cuda.current_stream(self.device))
+                staged_event = torch.cuda.current_stream(self.device).record_event()
                 last = c == len(chunks) - 1
                 self._copy_step([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
                                   self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
@@ -1207,8 +1207,7 @@ class NvlinkTransport:
         elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
-            inputs_ready = torch.cuda.Event()
-            inputs_ready.record(torch.cuda.current_stream(self.device))
+            inputs_ready = torch.cuda.current_stream(self.device).record_event()
             launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from)
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
                                    for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
@@ -1248,8 +1247,7 @@ class NvlinkTransport:
         chunk_ends = self._all_by_sms
         if copies:
             chunks, chunk_ends = self._combine_split(layout)
-            inputs_ready = torch.cuda.Event()
-            inputs_ready.record(torch.cuda.current_stream(self.device))
+            inputs_ready = torch.cuda.current_stream(self.device).record_event()
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
