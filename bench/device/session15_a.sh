@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran on branch wip/s15 at the time: main plus the review mends, the start-together timing and, from _c on, the dispatch gate.)
 # Session 15, first lease (2 H200), call 1: the started-together timing (a device-side barrier before each timed
 # call, bench/start_together.py) on nvlink_copy_engine at 20 and 24 SMs; the combine's timeline started together;
 # the review mends' benches (sum_beside_copy on call_times_ms, ep_steps on the shared setup).

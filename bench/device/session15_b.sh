@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran on branch wip/s15 at the time: main plus the review mends, the start-together timing and, from _c on, the dispatch gate.)
 # Session 15, first lease (2 H200), call 2: the nvlink GPU tests and the trace tests after the review mends.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran on branch wip/s15 at the time: main plus the review mends, the start-together timing and, from _c on, the dispatch gate.)
 # Session 15, second lease (2 H200): the dispatch gate (a cached dispatch writes into a peer only once the peer has
 # started it; session15_b's failure: test_buffer_nvlink_copy_engine_replays_cached_calls_in_a_cuda_graph, "round 3:
 # output 0 differs"). The new test on main's kernels (variants/main: expected to fail) and on the tree, the nvlink

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran on branch wip/s15 at the time: main plus the review mends, the start-together timing and, from _c on, the dispatch gate.)
 # Session 15, third lease (2 H200): session15_c's tree runs were cut by their timeouts (every kernel compiled anew on
 # a fresh machine). The dispatch gate's tests on the tree: the new test and session15_b's failure first, then the
 # rest of the nvlink GPU tests, then nvlink_copy_engine at 20 SMs (the gate's cost), as far as the time goes.
