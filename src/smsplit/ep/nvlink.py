@@ -24,12 +24,13 @@ the blocks in chunks and the sum starts on a chunk as soon as it has landed), th
 Waits are bounded: a wait that passes ``timeout_s`` records (phase, peer, counts) in a pinned host
 word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank, peer and phase.
 
-Received tensors are views into the buffer: a later dispatch by any rank may overwrite them. A dispatch
-does not wait for peers to finish reading them before writing into their buffers: a caller must order calls
-so that no rank starts the next dispatch while a peer still reads the previous one's results. An uncached dispatch
-does (its count exchange waits for every peer to arrive); `smsplit.ep.Buffer` eager calls do (a host exchange before
-every call) and copy the results out; cached dispatches in a row in one CUDA graph do not (a known race, docs/ep.md). A dispatch bumps the buffer's autograd version, so a backward that
-saved a view raises instead of reading overwritten data.
+Received tensors are views into the buffer, valid until this rank's next dispatch: a dispatch writes into a
+peer's receive area only once that peer has started the same dispatch, so whatever the peer queued on its stream
+before it (reads of the previous results) is done. An uncached dispatch knows it from the count exchange; a cached
+one waits for each peer's start signal (STARTED_SLOT), and its copy stream for each peer's X_FREE_SLOT word. So
+dispatches may follow each other with no host synchronization (in a CUDA graph). `smsplit.ep.Buffer` copies the
+results out. A dispatch bumps the buffer's autograd version, so a backward that saved a view raises instead of
+reading overwritten data.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ PHASES = ("notify", "dispatch", "combine")
 BULK_MOVERS = ("sm", "copy_engine")
 MAX_HOLE_SHARE = 0.125  # bulk="copy_engine": a peer's copied prefix may hold at most this share of tokens not sent there
 MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
-# local state words (per rank, not shared): [phase] arrivals per source seen so far,
-# [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a wait timed out,
-# [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine chunks)
+# local state words (per rank, not shared): [phase] arrivals per source seen so far, [STARTED_WORD] dispatches
+# this rank has finished, [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a
+# wait timed out, [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine
+# chunks)
 STATE_WORDS = 10
+STARTED_WORD = tl.constexpr(3)
 FAIL_WORD = tl.constexpr(7)
 COPIES_WORD = tl.constexpr(8)
 # shared signal words, 64 bytes per slot: slot [phase] counts the arrivals of a phase's programs per source
@@ -68,8 +71,13 @@ COPIES_WORD = tl.constexpr(8)
 # slot FREE_SLOT (bulk="copy_engine") word [peer] 1 while this rank may copy a combine's rows into the peer's
 # combine area (the peer has summed the previous ones; the peer's last combine program adds 1, this rank's copy
 # stream waits for 1 and stores 0 before its copies)
+# slot STARTED_SLOT word [s] the dispatches rank s has started (its first launch's program 0 adds 1 on every rank),
+# slot X_FREE_SLOT (bulk="copy_engine") word [s] 1 once rank s has started a dispatch: this rank's copy stream
+# waits for 1 and stores 0 before its dispatch copies into s's receive area
 SUMMED_SLOT = tl.constexpr(3)
 FREE_SLOT = tl.constexpr(4)
+STARTED_SLOT = tl.constexpr(5)
+X_FREE_SLOT = tl.constexpr(6)
 
 
 # --- device helpers --------------------------------------------------------------------------------
@@ -428,9 +436,9 @@ def local_experts(topk, d, num_local_experts):
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
                     off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, copied_ptr, fill_from,
-                    timeout_ns, off_stage, t_begin, t_end,
+                    timeout_ns, off_stage, t_begin, t_end, first,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
-                    WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr,
+                    WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     TB: tl.constexpr, QG: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
@@ -450,13 +458,30 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the
     launch signals every destination, waits for every source (and, with WAIT_COPIES, the copy-done flags), writes
     the padding rows and ends the phase; a dispatch in several launches makes only its last one SYNC, and a launch
-    before it may be followed by copies of the rows it staged."""
+    before it may be followed by copies of the rows it staged.
+
+    ``first``: the dispatch's first launch, whose program 0 tells every rank that this rank has started it
+    (STARTED_SLOT; with WAIT_COPIES also X_FREE_SLOT, for their copy streams). GATE (a cached dispatch: no count
+    exchange before it): wait, before storing into any peer, until every peer has started this dispatch."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
+    fail_ptr = state_ptr + FAIL_WORD
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
+    started = tl.load(state_ptr + STARTED_WORD, volatile=True)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    own = tl.load(bases_ptr + rank)
+    if (first != 0) & (pid == 0):  # after this rank's earlier work on the stream (reads of the last results)
+        for d in range(R):
+            sig = tl.load(bases_ptr + d) + sig_off
+            ptx.atom_add_release_sys((sig + STARTED_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
+            if WAIT_COPIES:
+                if d != rank:
+                    ptx.st_release_sys((sig + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
+    if GATE:
+        _wait_for_ranks((own + sig_off + STARTED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1,
+                        started + 1, timeout_ns, status_ptr, fail_ptr, 2)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
@@ -533,7 +558,6 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                                 programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
-        own = tl.load(bases_ptr + rank)
         _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                         timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
         copies_seen = -1
@@ -561,7 +585,12 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     tl.store(dst_w + k, tl.zeros((TB, KP), dtype=tl.float32), mask=ok & kmask)
                 dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
                 tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
-        _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD)
+        if _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD):
+            tl.store(state_ptr + STARTED_WORD, started + 1)
+    if WAIT_COPIES:
+        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free this rank's copy stream,
+            for d in range(R):  # which waits for the peers' X_FREE words unbounded (cuStreamWaitValue32)
+                ptx.st_release_sys((own + sig_off + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
@@ -759,7 +788,7 @@ def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
     combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": (FREE_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
+    return {"signals": (X_FREE_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -898,6 +927,7 @@ class NvlinkTransport:
             free = self.offsets["signals"] + FREE_SLOT.value * 64
             self.buffer[free: free + 4 * self.num_ranks].view(torch.int32).fill_(1)  # no combine yet to wait for
             self._free_addr = self.base_addrs[self.rank] + free  # this rank's FREE_SLOT words, per peer
+            self._x_free_addr = self.base_addrs[self.rank] + self.offsets["signals"] + X_FREE_SLOT.value * 64
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group, device_ids=[self.device.index])
 
@@ -1023,20 +1053,18 @@ class NvlinkTransport:
             self._copy_step(copies, flag, peers)
         return self._copy_done()
 
-    def _copy_start(self, counter: int, after: torch.cuda.Event | None = None) -> None:
-        """Start a `_copy`: the copy stream waits for ``after`` (else the current stream) and, before a combine's
-        copies (counter 1), until every peer has summed this rank's previous combine (its FREE_SLOT word, which it
-        sets once it has this combine's last flag: stream memory operations, so that no kernel precedes the first
-        copy); its flags copy counter ``counter``."""
+    def _copy_start(self, counter: int, after: torch.cuda.Event) -> None:
+        """Start a `_copy`: the copy stream waits for ``after`` (an event of the current stream) and, before a dispatch's
+        copies (counter 0), until every peer has started this dispatch (its X_FREE_SLOT word, set by its first
+        launch), before a combine's (counter 1), until every peer has summed this rank's previous combine (its
+        FREE_SLOT word, which it sets once it has this combine's last flag); stream memory operations, so that no
+        kernel precedes the first copy. Its flags copy counter ``counter``."""
         cs = self.copy_stream
-        if after is not None:
-            cs.wait_event(after)
-        else:
-            cs.wait_stream(torch.cuda.current_stream(self.device))
-        if counter == 1:
-            for peer in self._peers:
-                self.ops.wait_geq(cs, self._free_addr + 4 * peer, 1)
-                self.ops.write(cs, self._free_addr + 4 * peer, 0)
+        cs.wait_event(after)
+        words = self._x_free_addr if counter == 0 else self._free_addr
+        for peer in self._peers:
+            self.ops.wait_geq(cs, words + 4 * peer, 1)
+            self.ops.write(cs, words + 4 * peer, 0)
         self._counter = self.copies_done[counter:counter + 1]
 
     def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
@@ -1162,7 +1190,7 @@ class NvlinkTransport:
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False, first=True):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -1174,9 +1202,9 @@ class NvlinkTransport:
                 self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
                 self.offsets["src"], self.offsets["signals"], self.offsets["copied"],
                 copied if copied is not None else self._none_copied, fill_from, self.timeout_ns, self.offsets["cx"],
-                t_begin, t_end,
+                t_begin, t_end, int(first),
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
-                STAGE=stage, SYNC=sync, HAS_TOPK=topk_idx is not None,
+                STAGE=stage, SYNC=sync, GATE=cached is not None, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
@@ -1189,21 +1217,29 @@ class NvlinkTransport:
         if staged:  # launches over the tokens of the copied prefixes, each followed by a copy of the rows it staged
             # (the combine area is the staging area: nothing else uses it during a dispatch), then one that pushes
             # the later tokens' rows itself (beside the copies), signals and waits
+            # The copy stream's first wait (for the peers' start signals) is queued after the first launch, which
+            # sends this rank's: queued before it, the wait held the launch back (the streams may share a hardware
+            # queue) and two ranks waited for each other's signal for ever (session 15).
             chunks = self._stage_split(plans, is_token_in_rank)
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos
-            self._copy_start(0)
+            inputs_ready = torch.cuda.current_stream(self.device).record_event()
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
-                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from, stage=True)
+                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from, stage=True,
+                       first=c == 0)
                 staged_event = torch.cuda.current_stream(self.device).record_event()
+                if c == 0:
+                    self._copy_start(0, after=inputs_ready)
                 last = c == len(chunks) - 1
                 self._copy_step([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes,
                                   self.base_addrs[self.rank] + self.offsets["cx"] + row * row_bytes, n * row_bytes)
                                  for peer, row, n in staged_rows], 0, peers if last else [], after=staged_event)
-            if not chunks:  # nothing staged: the peers still wait for this rank's copy-done flag
-                self._copy_step([], 0, peers)
-            copied = self._copy_done()
-            launch(chunks[-1][1] if chunks else 0, T, sync=True, copied=split.copied)
+            if chunks:
+                copied = self._copy_done()
+                launch(chunks[-1][1], T, sync=True, copied=split.copied, first=False)
+            else:  # nothing staged: the peers still wait for this rank's copy-done flag
+                launch(0, T, sync=True, copied=split.copied, first=True)
+                copied = self._copy([([], 0, peers)], 0, after=inputs_ready)
         elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
