@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 clean() { grep -v -i "warn\|symm_mem"; }
 reap() { pkill -9 -f "multiprocessing.spawn" 2>/dev/null; pkill -9 -f "bench/ep.py" 2>/dev/null; sleep 1; }
 for p in "sm-False" "sm-True" "copy_engine-False" "copy_engine-True"; do
-  echo "== $p"; timeout -s KILL 90 python3 -m pytest -m gpu tests/test_ep_nvlink.py -q --tb=short \
+  echo "== $p"; timeout -s KILL 90 python3 -m pytest -m gpu -q --tb=short \
     "tests/test_ep_nvlink.py::test_cached_dispatches_in_a_row_wait_for_each_peer_to_read_the_last[$p]" 2>&1 | clean \
     | tail -12; echo "rc ${PIPESTATUS[0]}"; reap
 done 2>&1 | tee "$OUT/gate_params_session16.log"
