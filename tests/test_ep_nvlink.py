@@ -289,16 +289,21 @@ def _every_ranks_tokens(seed, world, dev, T, H, E, K):
     return xs, topks, in_ranks
 
 
+def _two_gpu_case(rank, world, port, T, H, seed, bulk):
+    """A process's NCCL group, an 8-SM transport (``bulk``) for T tokens of hidden H (32 experts, top-8), and every
+    rank's inputs from ``seed`` (`_every_ranks_tokens`): ``(dev, transport, num_local, xs, topks, in_ranks)``."""
+    dev = _init_nccl(rank, world, port)
+    E, K = 32, 8
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
+                                       timeout_s=20, bulk=bulk)
+    return (dev, transport, E // world, *_every_ranks_tokens(seed, world, dev, T, H, E, K))
+
+
 def _combines_in_a_row_worker(rank, world, port, bulk):
     """Combines of one dispatch queued back to back (no dispatch, no host synchronization between) while rank 1's
     GPU is slowed by a GEMM on another stream: each result must still be its own inputs' sum (a combine must not
     overwrite the rows a peer still sums for the previous one)."""
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 1024, 7168, 32, 8
-    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
-                                       timeout_s=20, bulk=bulk)
-    num_local = E // world
-    xs, topks, in_ranks = _every_ranks_tokens(7, world, dev, T, H, E, K)
+    dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 1024, 7168, 7, bulk)
     rx, _, _, _, rsrc, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
@@ -337,15 +342,10 @@ def _late_copies_worker(rank, world, port):
     source's SMs pushed may still hold rows of the last copied chunk, and must wait for that chunk's flag before it
     sums. Here about 30 rows are copied, in two chunks, and the block of tokens 24..31 (the first block of program
     3: 8 programs, 8 tokens per step) holds rows of the second chunk and pushed rows."""
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 512, 2048, 32, 8
-    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
-                                       timeout_s=20, bulk="copy_engine")
+    dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 512, 2048, 11, "copy_engine")
     assert transport.combine_tokens_per_step == 8
     transport.combine_copy_share = 0.06
     transport.combine_chunks = (0.5, 1.0)
-    num_local = E // world
-    xs, topks, in_ranks = _every_ranks_tokens(11, world, dev, T, H, E, K)
     rx, _, _, _, _, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
@@ -361,7 +361,7 @@ def _late_copies_worker(rank, world, port):
         assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank], f)), \
             f"rank {rank}, round {round_}: combine differs"
     # the same replayed from a CUDA graph: no host between the kernel's start and the copies'
-    y = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(n, transport.hidden, dtype=torch.bfloat16, device=dev)
 
     def step():
         transport.copy_stream.wait_stream(torch.cuda.current_stream())
@@ -417,12 +417,7 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
     and its copy stream (waiting for rank 1's start) does not hang."""
     from smsplit.fp8 import quantize_1x128
 
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 256, 2048, 32, 8
-    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
-                                       timeout_s=20, bulk=bulk)
-    num_local = E // world
-    xs, topks, in_ranks = _every_ranks_tokens(5, world, dev, T, H, E, K)
+    dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 5, bulk)
     *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, quantize=quantize)
     torch.cuda.synchronize()
     transport.raise_if_failed()
