@@ -61,9 +61,9 @@ def main():
     positional = (x.view(torch.uint8).view(torch.int32), s["layout"], s["topk"], s["weights"], s["pos"], s["layout"],
                   s["bases"], s["state"], s["status"].data_ptr(), T, H, K, R, 0, s["num_local"], 0, o["x"],
                   o["scales"], o["topk"], o["weights"], o["src"], o["signals"], o["copied"], s["copied"], T, int(1e9),
-                  o["cx"], 0, T)
+                  o["cx"], 0, T, 0)
     consts = dict(X_BYTES=2, QUANTIZE=False, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False,
-                  HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * 2 // 16), GROUPS=nvlink._pow2(H // 128),
+                  GATE=False, HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * 2 // 16), GROUPS=nvlink._pow2(H // 128),
                   KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=4, QG=8, TRACE=False)
     launch_kwargs = dict(consts, trace_ptr=s["layout"], trace_tag=0, num_warps=16)
 
