@@ -1058,7 +1058,9 @@ class NvlinkTransport:
         copies (counter 0), until every peer has started this dispatch (its X_FREE_SLOT word, set by its first
         launch), before a combine's (counter 1), until every peer has summed this rank's previous combine (its
         FREE_SLOT word, which it sets once it has this combine's last flag); stream memory operations, so that no
-        kernel precedes the first copy. Its flags copy counter ``counter``."""
+        kernel precedes the first copy (a kernel there delayed it 7.5-8.6 us, BENCHMARKS.md §2 session 11; these
+        cost a dispatch about 10 us even when the words are already set, session 16). Its flags copy counter
+        ``counter``."""
         cs = self.copy_stream
         cs.wait_event(after)
         words = self._x_free_addr if counter == 0 else self._free_addr
