@@ -51,22 +51,32 @@ def setup(T, H, E, K, R=2, peer_only=False):
                 offsets=offsets, num_local=num_local, in_rank=in_rank, R=R)
 
 
-def stage_launch(s, programs, tb, warps, quantize, qg=8):
+def stage_launch_args(s, tb, quantize, qg=8):
+    """``(positional, keyword)`` arguments of `nvlink.dispatch_kernel` for one staging launch over every token of
+    `setup`'s ``s`` (TB ``tb``, QG ``qg``; quantized in the kernel or not), ``num_warps`` and the grid left out."""
     from smsplit.ep import nvlink
 
     x, o, R = s["x"], s["offsets"], s["R"]
     T, H = x.shape
     K = s["topk"].size(1)
     x_bytes = 1 if quantize else 2
-    nvlink.dispatch_kernel[(programs,)](
+    positional = (
         x if quantize else x.view(torch.uint8).view(torch.int32), s["layout"], s["topk"], s["weights"], s["pos"],
         s["layout"], s["bases"], s["state"], s["status"].data_ptr(), T, H, K, R, 0, s["num_local"], 0,
         o["x"], o["scales"], o["topk"], o["weights"], o["src"], o["signals"], o["copied"], s["copied"], T,
-        int(1e9), o["cx"], 0, T, 0,
+        int(1e9), o["cx"], 0, T, 0)
+    keyword = dict(
         X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False, GATE=False,
         HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * x_bytes // 16), GROUPS=nvlink._pow2(H // 128),
-        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=qg, TRACE=False, trace_ptr=s["layout"], trace_tag=0,
-        num_warps=warps)
+        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=qg, TRACE=False, trace_ptr=s["layout"], trace_tag=0)
+    return positional, keyword
+
+
+def stage_launch(s, programs, tb, warps, quantize, qg=8):
+    from smsplit.ep import nvlink
+
+    positional, keyword = stage_launch_args(s, tb, quantize, qg)
+    nvlink.dispatch_kernel[(programs,)](*positional, **keyword, num_warps=warps)
 
 
 def main():

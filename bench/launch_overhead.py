@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
-from fp8_stage import setup  # noqa: E402
+from fp8_stage import setup, stage_launch_args  # noqa: E402
 
 
 def host_us(fn, reps):
@@ -54,18 +54,10 @@ def main():
     from smsplit.ep.copy_engine import StreamOps
 
     s = setup(args.tokens, 7168, 256, 8)
-    x, o, R = s["x"], s["offsets"], s["R"]
-    T, H = x.shape
-    K = s["topk"].size(1)
+    T, H = s["x"].shape
     P = 20
-    positional = (x.view(torch.uint8).view(torch.int32), s["layout"], s["topk"], s["weights"], s["pos"], s["layout"],
-                  s["bases"], s["state"], s["status"].data_ptr(), T, H, K, R, 0, s["num_local"], 0, o["x"],
-                  o["scales"], o["topk"], o["weights"], o["src"], o["signals"], o["copied"], s["copied"], T, int(1e9),
-                  o["cx"], 0, T, 0)
-    consts = dict(X_BYTES=2, QUANTIZE=False, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False,
-                  GATE=False, HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * 2 // 16), GROUPS=nvlink._pow2(H // 128),
-                  KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=4, QG=8, TRACE=False)
-    launch_kwargs = dict(consts, trace_ptr=s["layout"], trace_tag=0, num_warps=16)
+    positional, keyword = stage_launch_args(s, 4, False)
+    launch_kwargs = dict(keyword, num_warps=16)
 
     def jit_launch():
         nvlink.dispatch_kernel[(P,)](*positional, **launch_kwargs)
