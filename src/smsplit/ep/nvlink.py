@@ -58,12 +58,12 @@ PHASES = ("notify", "dispatch", "combine")
 BULK_MOVERS = ("sm", "copy_engine")
 MAX_HOLE_SHARE = 0.125  # bulk="copy_engine": a peer's copied prefix may hold at most this share of tokens not sent there
 MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
-# local state words (per rank, not shared): [phase] arrivals per source seen so far, [STARTED_WORD] dispatches
+# local state words (per rank, not shared): [phase] arrivals per source seen so far, [FINISHED_WORD] dispatches
 # this rank has finished, [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a
 # wait timed out, [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine
 # chunks)
 STATE_WORDS = 10
-STARTED_WORD = tl.constexpr(3)
+FINISHED_WORD = tl.constexpr(3)
 FAIL_WORD = tl.constexpr(7)
 COPIES_WORD = tl.constexpr(8)
 # shared signal words, 64 bytes per slot: slot [phase] counts the arrivals of a phase's programs per source
@@ -468,7 +468,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     if TRACE:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
-    started = tl.load(state_ptr + STARTED_WORD, volatile=True)
+    finished = tl.load(state_ptr + FINISHED_WORD, volatile=True)  # dispatches before this one
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     own = tl.load(bases_ptr + rank)
@@ -481,7 +481,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     ptx.st_release_sys((sig + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
     if GATE:
         _wait_for_ranks((own + sig_off + STARTED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1,
-                        started + 1, timeout_ns, status_ptr, fail_ptr, 2)
+                        finished + 1, timeout_ns, status_ptr, fail_ptr, 2)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
@@ -586,7 +586,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 dst_i = (own + off_src + row * 4).to(tl.pointer_type(tl.int32))
                 tl.store(dst_i, tl.full((TB, 1), -1, dtype=tl.int32), mask=ok)
         if _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD):
-            tl.store(state_ptr + STARTED_WORD, started + 1)
+            tl.store(state_ptr + FINISHED_WORD, finished + 1)
     if WAIT_COPIES:
         if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free this rank's copy stream,
             for d in range(R):  # which waits for the peers' X_FREE words unbounded (cuStreamWaitValue32)
