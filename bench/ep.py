@@ -10,9 +10,11 @@ copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling; wit
 each peer's rows to that peer, all peers at once). Then dispatch+combine
 on a green-context comm budget while a bf16 GEMM runs on the compute budget.
 
-Graph replays, NCCL and the copy-engine copy are timed two ways: one call between two CUDA events (the
-GPU idle before it: the graph's launch latency and the ranks' skew included), and QUEUED calls between two
-events divided by QUEUED (the steady state of calls queued back to back, as in a training step).
+Graph replays, NCCL and the copy-engine copy are timed three ways: one call between two CUDA events (the
+GPU idle before it: the graph's launch latency and the ranks' skew included), QUEUED calls between two
+events divided by QUEUED (the steady state of calls queued back to back, as in a training step), and one call
+started together on every rank (a device-side barrier queued before the start event, `start_together.py`: the
+call's own time, as DeepEP's benchmark aligns ranks with a collective before each timed call).
 
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
 Writes bench/results/ep.json.
@@ -31,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, concurrent_run, environment, join_nccl, max_over_ranks, routed_tokens,  # noqa: E402
-                    run_ranks, time_ms, write_result)
+from common import (call_times_ms, capture_graph, concurrent_run, environment, join_nccl, max_over_ranks,  # noqa: E402
+                    routed_tokens, run_ranks, time_ms, write_result)
+from start_together import StartTogether  # noqa: E402
 
 
 QUEUED = 5
@@ -119,6 +122,14 @@ def worker(rank, world, port, args, queue):
     def queued(fn):  # QUEUED calls between two events, divided: no launch latency or rank skew per call
         return timed(fn, inner=QUEUED)
 
+    start_together = StartTogether(dev)
+
+    def aligned(fn):  # one call, every rank's GPU starting it together: no rank skew
+        dist.barrier(device_ids=[rank])
+        ms = statistics.median(call_times_ms(fn, warmup=3, repeat=args.reps, before=start_together))
+        start_together.check()
+        return ms
+
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
     layouts = {"nvlink": layout}
     if "nvlink_copy_engine" in transports:
@@ -199,6 +210,7 @@ def worker(rank, world, port, args, queue):
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = max_over_ranks(timed(graph.replay), dev)
             row[key + "_graph_queued_ms"] = max_over_ranks(queued(graph.replay), dev)
+            row[key + "_graph_aligned_ms"] = max_over_ranks(aligned(graph.replay), dev)
         torch.cuda.synchronize()
         tr.raise_if_failed()
         res["graph_rows"].append(row)
@@ -208,7 +220,10 @@ def worker(rank, world, port, args, queue):
                   f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
-                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine")) + " us", flush=True)
+                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + " us; started together: "
+                  + ", ".join(f"{k} {row[k + '_graph_aligned_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + " us", flush=True)
 
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share
@@ -226,6 +241,8 @@ def worker(rank, world, port, args, queue):
     res["nccl_all_to_all_ms"] = max_over_ranks(nccl_ms, dev)
     res["nccl_all_to_all_queued_ms"] = max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
                                                                                               send_counts)), dev)
+    res["nccl_all_to_all_aligned_ms"] = max_over_ranks(aligned(lambda: dist.all_to_all_single(recv, send, recv_splits,
+                                                                                                send_counts)), dev)
 
     # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
     peer = (rank + 1) % world
@@ -235,6 +252,7 @@ def worker(rank, world, port, args, queue):
     ce_ms = timed(lambda: dst.copy_(src))
     res["copy_engine_ms"] = max_over_ranks(ce_ms, dev)
     res["copy_engine_queued_ms"] = max_over_ranks(queued(lambda: dst.copy_(src)), dev)
+    res["copy_engine_aligned_ms"] = max_over_ranks(aligned(lambda: dst.copy_(src)), dev)
     res["copy_engine_bytes"] = n_cross * H * 2
     if world > 2:  # the all-to-all ceiling: each peer's rows to that peer, all peers at once (a stream each)
         pieces = [(transport.handle.get_buffer(d, (send_counts[d], H), torch.bfloat16,
@@ -274,8 +292,9 @@ def worker(rank, world, port, args, queue):
     if rank == 0:
         print(f"NCCL all_to_all_single {res['nccl_all_to_all_ms'] * 1e3:.1f} us; copy engine "
               f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB; {QUEUED} queued: NCCL "
-              f"{res['nccl_all_to_all_queued_ms'] * 1e3:.1f} us, copy engine {res['copy_engine_queued_ms'] * 1e3:.1f} us",
-              flush=True)
+              f"{res['nccl_all_to_all_queued_ms'] * 1e3:.1f} us, copy engine {res['copy_engine_queued_ms'] * 1e3:.1f} us; "
+              f"started together: NCCL {res['nccl_all_to_all_aligned_ms'] * 1e3:.1f} us, copy engine "
+              f"{res['copy_engine_aligned_ms'] * 1e3:.1f} us", flush=True)
 
     # concurrent: dispatch + combine on a green comm budget while a GEMM runs on the compute budget
     n = 8192

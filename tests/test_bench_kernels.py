@@ -1,6 +1,6 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
-`bench/combine_timeline.py`) compile for sm_90 with the instructions they measure (CPU): the rates in BENCHMARKS.md
-are of these instructions."""
+`bench/combine_timeline.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
 from pathlib import Path
@@ -71,3 +71,13 @@ def test_combine_timeline_observer_reads_the_clock_and_spins_on_each_flag():
     sig = {"flags_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "peer": "i32", "R": "i32", "timeout_ns": "i64"}
     text, _ = ptx.compile_for_sm90(combine_timeline.observe_kernel, sig, {"CHUNKS": 3}, num_warps=1)
     assert text.count("ld.acquire.sys.global.b32") == 3 and text.count("%globaltimer") >= 4
+
+
+def test_start_together_barrier_signals_every_rank_and_waits_for_each():
+    import start_together
+
+    sig = {"bases_ptr": "*i64", "missed_ptr": "*i32", "rank": "i32", "R": "i32", "target": "i32",
+           "timeout_ns": "i64", "hold_ns": "i64"}
+    text, _ = ptx.compile_for_sm90(start_together.start_together_kernel, sig, {}, num_warps=1)
+    assert "atom.release.sys.global.add.s32" in text and "ld.acquire.sys.global.b32" in text
+    assert text.count("%globaltimer") >= 4  # the bounded wait's two reads, the hold's two
