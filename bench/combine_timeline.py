@@ -5,8 +5,8 @@ The profiler cannot time this chain (its timestamps around stream memory operati
 an observer kernel (one program on an SM outside the comm budget) is captured first in the graph: it reads
 ``%globaltimer`` at its start, then spins on each chunk's copy-done flag from the peer and reads the clock when
 the flag arrives. The combine kernel records each program's start and end (``TRACE``). One replay at a time, the
-GPUs idle between (a barrier), as ep.py's "one call" (``--start-together``: and a device-side barrier, as its
-"started together"); medians over the replays of each time after the observer's
+GPUs idle between (a barrier), as ep.py's "one call" (``--start-together``: a device-side barrier first in the graph,
+as ep.py's "started together"); medians over the replays of each time after the observer's
 start, and the replay's event time.
 
 Measured (session 14, `bench/results/combine_timeline_session14.log`, `combine_kernel_first_session14.log`): with the
@@ -74,6 +74,8 @@ def worker(rank, world, port, args, queue):
             obs = torch.zeros(1 + len(chunks), dtype=torch.int64, device=dev)
 
             def step():
+                if start_together is not None:  # in the graph: the observer starts as the ranks meet
+                    start_together.barrier()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     observe_kernel[(1,)](flags, seen, obs, peer, world, int(2e9), CHUNKS=len(chunks), num_warps=1)
@@ -85,8 +87,6 @@ def worker(rank, world, port, args, queue):
             for i in range(args.warmup + args.reps):
                 torch.cuda.synchronize()
                 dist.barrier(device_ids=[rank])
-                if start_together is not None:
-                    start_together()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 graph.replay()

@@ -73,11 +73,14 @@ def test_combine_timeline_observer_reads_the_clock_and_spins_on_each_flag():
     assert text.count("ld.acquire.sys.global.b32") == 3 and text.count("%globaltimer") >= 4
 
 
-def test_start_together_barrier_signals_every_rank_and_waits_for_each():
+def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_clock():
     import start_together
 
-    sig = {"bases_ptr": "*i64", "missed_ptr": "*i32", "rank": "i32", "R": "i32", "target": "i32",
-           "timeout_ns": "i64", "hold_ns": "i64"}
-    text, _ = ptx.compile_for_sm90(start_together.start_together_kernel, sig, {}, num_warps=1)
+    sig = {"bases_ptr": "*i64", "round_ptr": "*i32", "missed_ptr": "*i32", "stamp_ptr": "*i64", "rank": "i32",
+           "R": "i32", "timeout_ns": "i64"}
+    text, _ = ptx.compile_for_sm90(start_together.barrier_kernel, sig, {}, num_warps=1)
     assert "atom.release.sys.global.add.s32" in text and "ld.acquire.sys.global.b32" in text
-    assert text.count("%globaltimer") >= 4  # the bounded wait's two reads, the hold's two
+    # the bounded wait's two clock reads, then the exit stamp after a barrier (every thread after thread 0's waits)
+    assert text.count("%globaltimer") == 3 and text.index("bar.sync") < text.rindex("%globaltimer")
+    text, _ = ptx.compile_for_sm90(start_together.stamp_kernel, {"stamp_ptr": "*i64"}, {}, num_warps=1)
+    assert "%globaltimer" in text
