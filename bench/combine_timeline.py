@@ -5,7 +5,8 @@ The profiler cannot time this chain (its timestamps around stream memory operati
 an observer kernel (one program on an SM outside the comm budget) is captured first in the graph: it reads
 ``%globaltimer`` at its start, then spins on each chunk's copy-done flag from the peer and reads the clock when
 the flag arrives. The combine kernel records each program's start and end (``TRACE``). One replay at a time, the
-GPUs idle between (a barrier), as ep.py's "one call"; medians over the replays of each time after the observer's
+GPUs idle between (a barrier), as ep.py's "one call" (``--start-together``: a device-side barrier first in the graph,
+as ep.py's "started together"); medians over the replays of each time after the observer's
 start, and the replay's event time.
 
 Measured (session 14, `bench/results/combine_timeline_session14.log`, `combine_kernel_first_session14.log`): with the
@@ -32,6 +33,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (capture_graph, copy_engine_combine_inputs, environment, join_nccl, run_ranks,  # noqa: E402
                     write_result)
+from start_together import StartTogether  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
 
@@ -60,6 +62,7 @@ def worker(rank, world, port, args, queue):
     flags = tr.buffer[off:off + 4 * MAX_CHUNKS * world].view(torch.int32)  # chunk c's flag from d: word c * R + d
     seen = tr.state[COPIES_WORD.value + 1:]
     side = torch.cuda.Stream(dev)
+    start_together = StartTogether(dev) if args.start_together else None
     rows = []
     for P in args.comm_sms:
         tr.num_sms = P
@@ -71,6 +74,8 @@ def worker(rank, world, port, args, queue):
             obs = torch.zeros(1 + len(chunks), dtype=torch.int64, device=dev)
 
             def step():
+                if start_together is not None:  # in the graph: the observer starts as the ranks meet
+                    start_together.barrier()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     observe_kernel[(1,)](flags, seen, obs, peer, world, int(2e9), CHUNKS=len(chunks), num_warps=1)
@@ -104,6 +109,8 @@ def worker(rank, world, port, args, queue):
                    "kernel_start_us": statistics.median(s["kernel_start_us"] for s in samples),
                    "kernel_end_us": statistics.median(s["kernel_end_us"] for s in samples),
                    "program_end_spread_us": statistics.median(s["program_end_spread_us"] for s in samples)}
+            if start_together is not None:
+                start_together.check()
             med["tail_after_last_flag_us"] = med["kernel_end_us"] - med["flags_us"][-1]
             row = {"rank": rank, "comm_sms": P, "combine_chunks": chunks, **med}
             gathered = [None] * world
@@ -128,6 +135,8 @@ def main():
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[20])
     parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
                         default=[(0.5, 0.8, 1.0)], help="increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
+    parser.add_argument("--start-together", action="store_true",
+                        help="each replay after a device-side barrier (start_together.py): no rank skew")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)

@@ -10,9 +10,12 @@ copy-engine peer copy of the bytes that cross NVLink (zero SMs; the ceiling; wit
 each peer's rows to that peer, all peers at once). Then dispatch+combine
 on a green-context comm budget while a bf16 GEMM runs on the compute budget.
 
-Graph replays, NCCL and the copy-engine copy are timed two ways: one call between two CUDA events (the
-GPU idle before it: the graph's launch latency and the ranks' skew included), and QUEUED calls between two
-events divided by QUEUED (the steady state of calls queued back to back, as in a training step).
+Graph replays, NCCL and the copy-engine copy are timed three ways: one call between two CUDA events (the
+GPU idle before it: the graph's launch latency and the ranks' skew included), QUEUED calls between two
+events divided by QUEUED (the steady state of calls queued back to back, as in a training step), and one call
+started together on every rank (captured in a graph of its own after a device-side barrier and timed from the
+barrier's exit to a stamp after it on the GPU clock, `start_together.py`: the call's own time, as DeepEP's benchmark
+aligns ranks with a collective before each timed call).
 
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
 Writes bench/results/ep.json.
@@ -31,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, concurrent_run, environment, join_nccl, max_over_ranks, routed_tokens,  # noqa: E402
-                    run_ranks, time_ms, write_result)
+from common import (capture_graph, concurrent_run, environment, join_nccl, max_over_ranks,  # noqa: E402
+                    routed_tokens, run_ranks, time_ms, write_result)
+from start_together import StartTogether  # noqa: E402
 
 
 QUEUED = 5
@@ -119,6 +123,12 @@ def worker(rank, world, port, args, queue):
     def queued(fn):  # QUEUED calls between two events, divided: no launch latency or rank skew per call
         return timed(fn, inner=QUEUED)
 
+    start_together = StartTogether(dev)
+
+    def aligned(fn):  # one call in a graph of its own, every rank's GPU starting it together, on the GPU clock
+        dist.barrier(device_ids=[rank])
+        return start_together.median_ms(fn, repeat=args.reps)
+
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
     layouts = {"nvlink": layout}
     if "nvlink_copy_engine" in transports:
@@ -184,13 +194,14 @@ def worker(rank, world, port, args, queue):
         if stage is not None:
             tr.stage_chunks = stage
             tr.plan(lay, in_rank)  # the FP8 staging plan for these launches, made before capture
-        graphs = {
-            "dispatch_bf16": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                          num_worst_tokens=worst, cached=cached)),
-            "dispatch_fp8": graph_of(lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local,
-                                                         quantize=True, num_worst_tokens=worst, cached=cached)),
-            "combine": graph_of(lambda: tr.combine(y, None, lay)),
+        calls = {
+            "dispatch_bf16": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst,
+                                                 cached=cached),
+            "dispatch_fp8": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
+                                                num_worst_tokens=worst, cached=cached),
+            "combine": lambda: tr.combine(y, None, lay),
         }
+        graphs = {key: graph_of(call) for key, call in calls.items()}
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
                "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks,
                "stage_chunks": stage}
@@ -199,6 +210,7 @@ def worker(rank, world, port, args, queue):
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = max_over_ranks(timed(graph.replay), dev)
             row[key + "_graph_queued_ms"] = max_over_ranks(queued(graph.replay), dev)
+            row[key + "_graph_aligned_ms"] = max_over_ranks(aligned(calls[key]), dev)
         torch.cuda.synchronize()
         tr.raise_if_failed()
         res["graph_rows"].append(row)
@@ -208,7 +220,10 @@ def worker(rank, world, port, args, queue):
                   f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
-                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine")) + " us", flush=True)
+                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + " us; started together: "
+                  + ", ".join(f"{k} {row[k + '_graph_aligned_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + " us", flush=True)
 
     if "nvlink_copy_engine" in transports:
         transports["nvlink_copy_engine"].copy_share = args.copy_share
@@ -226,6 +241,12 @@ def worker(rank, world, port, args, queue):
     res["nccl_all_to_all_ms"] = max_over_ranks(nccl_ms, dev)
     res["nccl_all_to_all_queued_ms"] = max_over_ranks(queued(lambda: dist.all_to_all_single(recv, send, recv_splits,
                                                                                               send_counts)), dev)
+    try:  # NCCL captured in a CUDA graph
+        res["nccl_all_to_all_aligned_ms"] = max_over_ranks(aligned(lambda: dist.all_to_all_single(
+            recv, send, recv_splits, send_counts)), dev)
+    except RuntimeError as e:
+        print(f"rank {rank}: NCCL all_to_all_single not timed started together: {e}", flush=True)
+        res["nccl_all_to_all_aligned_ms"] = float("nan")
 
     # copy-engine peer copy of the bytes that cross NVLink, every rank at once (the ceiling)
     peer = (rank + 1) % world
@@ -235,6 +256,7 @@ def worker(rank, world, port, args, queue):
     ce_ms = timed(lambda: dst.copy_(src))
     res["copy_engine_ms"] = max_over_ranks(ce_ms, dev)
     res["copy_engine_queued_ms"] = max_over_ranks(queued(lambda: dst.copy_(src)), dev)
+    res["copy_engine_aligned_ms"] = max_over_ranks(aligned(lambda: dst.copy_(src)), dev)
     res["copy_engine_bytes"] = n_cross * H * 2
     if world > 2:  # the all-to-all ceiling: each peer's rows to that peer, all peers at once (a stream each)
         pieces = [(transport.handle.get_buffer(d, (send_counts[d], H), torch.bfloat16,
@@ -274,8 +296,9 @@ def worker(rank, world, port, args, queue):
     if rank == 0:
         print(f"NCCL all_to_all_single {res['nccl_all_to_all_ms'] * 1e3:.1f} us; copy engine "
               f"{res['copy_engine_ms'] * 1e3:.1f} us for {n_cross * H * 2 / 1e6:.1f} MB; {QUEUED} queued: NCCL "
-              f"{res['nccl_all_to_all_queued_ms'] * 1e3:.1f} us, copy engine {res['copy_engine_queued_ms'] * 1e3:.1f} us",
-              flush=True)
+              f"{res['nccl_all_to_all_queued_ms'] * 1e3:.1f} us, copy engine {res['copy_engine_queued_ms'] * 1e3:.1f} us; "
+              f"started together: NCCL {res['nccl_all_to_all_aligned_ms'] * 1e3:.1f} us, copy engine "
+              f"{res['copy_engine_aligned_ms'] * 1e3:.1f} us", flush=True)
 
     # concurrent: dispatch + combine on a green comm budget while a GEMM runs on the compute budget
     n = 8192

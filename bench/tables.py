@@ -74,7 +74,9 @@ def ep():
           + (f" To every peer at once (its own rows each): {d['copy_engine_all_peers_ms'] * 1e3:.0f} us for "
              f"{d['copy_engine_all_peers_bytes'] / 1e6:.1f} MB." if "copy_engine_all_peers_ms" in d else "")
           + (f" With 5 calls queued: NCCL {d['nccl_all_to_all_queued_ms'] * 1e3:.0f} us, copy engine "
-             f"{d['copy_engine_queued_ms'] * 1e3:.0f} us." if "copy_engine_queued_ms" in d else "") + "\n")
+             f"{d['copy_engine_queued_ms'] * 1e3:.0f} us." if "copy_engine_queued_ms" in d else "")
+          + (f" Started together: NCCL {d['nccl_all_to_all_aligned_ms'] * 1e3:.0f} us, copy engine "
+             f"{d['copy_engine_aligned_ms'] * 1e3:.0f} us." if "copy_engine_aligned_ms" in d else "") + "\n")
     if any("dispatch_bf16_host_us" in r for r in d["rows"]):
         print("Host time of one call (Python and launches, no synchronization), median of 10:\n")
         print("| transport | comm SMs | dispatch (us) | combine (us) |")
@@ -88,15 +90,19 @@ def ep():
         print("Replayed from CUDA graphs (no host work per call). nvlink: uncached (the device-side count exchange "
               "inside); nvlink_copy_engine: a cached layout (its copies are planned on the host at the first call):\n")
         queued = "combine_graph_queued_ms" in graph_rows[0]
-        extra = " BF16 / FP8 / combine, 5 queued (us) |" if queued else ""
+        aligned = "combine_graph_aligned_ms" in graph_rows[0]
+        extra = (" BF16 / FP8 / combine, 5 queued (us) |" if queued else "") + (
+            " same, started together (us) |" if aligned else "")
         print("| transport | copy share | comm SMs | dispatch BF16 (us) | dispatch FP8 (us) | combine (us) |" + extra)
-        print("|---|---|---|---|---|---|" + ("---|" if queued else ""))
+        print("|---|---|---|---|---|---|" + ("---|" if queued else "") + ("---|" if aligned else ""))
         for r in graph_rows:
             share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
             if r.get("combine_chunks"):
                 share += " (combine chunks " + ", ".join(f"{f:g}" for f in r["combine_chunks"]) + ")"
             steady = (" " + " / ".join(f"{r[k + '_graph_queued_ms'] * 1e3:.0f}" for k in
                                        ("dispatch_bf16", "dispatch_fp8", "combine")) + " |") if queued else ""
+            steady += (" " + " / ".join(f"{r[k + '_graph_aligned_ms'] * 1e3:.0f}" for k in
+                                        ("dispatch_bf16", "dispatch_fp8", "combine")) + " |") if aligned else ""
             print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
                   f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |" + steady)
         print()

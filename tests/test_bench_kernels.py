@@ -1,6 +1,6 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
-`bench/combine_timeline.py`) compile for sm_90 with the instructions they measure (CPU): the rates in BENCHMARKS.md
-are of these instructions."""
+`bench/combine_timeline.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
 from pathlib import Path
@@ -71,3 +71,16 @@ def test_combine_timeline_observer_reads_the_clock_and_spins_on_each_flag():
     sig = {"flags_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "peer": "i32", "R": "i32", "timeout_ns": "i64"}
     text, _ = ptx.compile_for_sm90(combine_timeline.observe_kernel, sig, {"CHUNKS": 3}, num_warps=1)
     assert text.count("ld.acquire.sys.global.b32") == 3 and text.count("%globaltimer") >= 4
+
+
+def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_clock():
+    import start_together
+
+    sig = {"bases_ptr": "*i64", "round_ptr": "*i32", "missed_ptr": "*i32", "stamp_ptr": "*i64", "rank": "i32",
+           "R": "i32", "timeout_ns": "i64"}
+    text, _ = ptx.compile_for_sm90(start_together.barrier_kernel, sig, {}, num_warps=1)
+    assert "atom.release.sys.global.add.s32" in text and "ld.acquire.sys.global.b32" in text
+    # the bounded wait's two clock reads, then the exit stamp after a barrier (every thread after thread 0's waits)
+    assert text.count("%globaltimer") == 3 and text.index("bar.sync") < text.rindex("%globaltimer")
+    text, _ = ptx.compile_for_sm90(start_together.stamp_kernel, {"stamp_ptr": "*i64"}, {}, num_warps=1)
+    assert "%globaltimer" in text
