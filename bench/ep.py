@@ -14,8 +14,9 @@ Graph replays, NCCL and the copy-engine copy are timed three ways: one call betw
 GPU idle before it: the graph's launch latency and the ranks' skew included), QUEUED calls between two
 events divided by QUEUED (the steady state of calls queued back to back, as in a training step), and one call
 started together on every rank (captured in a graph of its own after a device-side barrier and timed from the
-barrier's exit to a stamp after it on the GPU clock, `start_together.py`: the call's own time, as DeepEP's benchmark
-aligns ranks with a collective before each timed call).
+barrier's exit to a stamp after it on the GPU clock, `start_together.py`: the call's own time, as DeepEP's
+profiled benchmark (`bench_kineto` with `barrier_comm_profiling`) aligns the ranks with a GEMM and an all-reduce
+before each profiled call; its tuning loop (`bench`) times calls queued back to back, the "5 queued" way).
 
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
 Writes bench/results/ep.json.

@@ -2,7 +2,8 @@
 
 Timed one call at a time with CUDA events, each rank's time also holds how long its GPU waits for the others (after
 a host barrier the ranks' graphs start tens to a hundred microseconds apart, `bench/combine_timeline.py`) and the
-graph's launch. DeepEP's benchmark aligns the ranks with a collective before each timed call. Here the call is
+graph's launch. DeepEP's profiled benchmark (`bench_kineto` with `barrier_comm_profiling`) aligns the ranks with a
+GEMM and an all-reduce before each profiled call. Here the call is
 captured in a CUDA graph between two one-thread kernels: a barrier (it adds 1 to its word on every rank,
 ``atom.release.sys`` over NVLink, waits until every rank's word on this GPU has arrived, then reads ``%globaltimer``)
 and a stamp (it reads ``%globaltimer`` once the call's work on the stream is done). The call's time is the stamp
