@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, copy_engine_combine_inputs, environment, join_nccl, run_ranks,  # noqa: E402
-                    write_result)
+from common import capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, run_and_write  # noqa: E402
 from start_together import StartTogether  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
@@ -124,10 +123,7 @@ def worker(rank, world, port, args, queue):
                           + " / ".join(f"{f:.1f}" for f in r["flags_us"])
                           + f", tail after the last flag {r['tail_after_last_flag_us']:.1f} us", flush=True)
             del graph
-    if rank == 0:
-        queue.put({"rows": rows})
-    dist.barrier(device_ids=[rank])
-    dist.destroy_process_group()
+    end_worker(rank, queue, {"rows": rows})
 
 
 def main():
@@ -141,11 +137,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    res = run_ranks(worker, args.world, args)
-    path = write_result("combine_timeline", {"env": environment(), "args": vars(args), **res,
-                                             "notes": "one replay at a time; medians; times after the observer "
-                                                      "kernel's start on the same GPU's %globaltimer"})
-    print(f"wrote {path}")
+    run_and_write("combine_timeline", worker, args,
+                  "one replay at a time; medians; times after the observer "
+                  "kernel's start on the same GPU's %globaltimer")
 
 
 if __name__ == "__main__":

@@ -191,6 +191,26 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
+def end_worker(rank: int, queue, result) -> None:
+    """The end of a `run_ranks` worker: rank 0 hands ``result`` back, then every rank waits for the others and
+    leaves the process group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        queue.put(result)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+def run_and_write(name: str, worker, args, notes: str) -> Path:
+    """`run_ranks` on ``args.world`` GPUs, then ``bench/results/<name>.json`` with the environment, the arguments,
+    what rank 0 returned and ``notes``."""
+    res = run_ranks(worker, args.world, args)
+    path = write_result(name, {"env": environment(), "args": vars(args), **res, "notes": notes})
+    print(f"wrote {path}")
+    return path
+
+
 def concurrent_run(budget, gemm, copy, n_gemm, n_copy):
     """Run ``gemm`` on the budget's compute stream and ``copy`` (any comm work) on its comm stream,
     starting both loops at the same instant (both streams wait on one event recorded after a sleep

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, environment, join_nccl, max_over_ranks, run_ranks, time_ms, write_result  # noqa: E402
+from common import capture_graph, join_nccl, max_over_ranks, run_and_write, time_ms  # noqa: E402
 
 
 def worker(rank, world, port, args, queue):
@@ -183,10 +183,8 @@ def main():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    res = run_ranks(worker, args.world, args)
-    path = write_result("copy_chain", {"env": environment(), "args": vars(args), **res,
-                                       "notes": "graph replays, every rank at once; max over ranks of medians"})
-    print(f"wrote {path}")
+    run_and_write("copy_chain", worker, args,
+                  "graph replays, every rank at once; max over ranks of medians")
 
 
 if __name__ == "__main__":

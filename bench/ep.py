@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, concurrent_run, environment, join_nccl, max_over_ranks,  # noqa: E402
+from common import (capture_graph, concurrent_run, end_worker, environment, join_nccl, max_over_ranks,  # noqa: E402
                     routed_tokens, run_ranks, time_ms, write_result)
 from start_together import StartTogether  # noqa: E402
 
@@ -338,10 +338,7 @@ def worker(rank, world, port, args, queue):
     res["concurrent"] = conc
     if "nvlink_copy_engine" in transports:  # whether the copies went in one cuMemcpyBatchAsync per call
         res["nvlink_copy_engine_batched"] = transports["nvlink_copy_engine"].ops.batched
-    if rank == 0:
-        queue.put(res)
-    dist.barrier(device_ids=[rank])
-    dist.destroy_process_group()
+    end_worker(rank, queue, res)
 
 
 def main():

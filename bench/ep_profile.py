@@ -42,15 +42,17 @@ def worker(rank, world, port, args):
         *_, lay = tr.dispatch(x, None, topk, None, in_rank, num_local, num_worst_tokens=worst)
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
 
-    def step():
+    def dispatch_and_combine():
         tr.dispatch(x, None, topk, None, in_rank, num_local, quantize=args.fp8, num_worst_tokens=worst, cached=lay)
         tr.combine(y, None, lay)
 
-    if args.combine_only:
-        step()
+    def combine_alone():  # after one dispatch_and_combine: the combine of that dispatch, alone
+        tr.combine(y, None, lay)
 
-        def step():  # noqa: F811  (the combine of the dispatch above, alone)
-            tr.combine(y, None, lay)
+    step = dispatch_and_combine
+    if args.combine_only:
+        dispatch_and_combine()
+        step = combine_alone
     for _ in range(3):
         step()
     torch.cuda.synchronize()

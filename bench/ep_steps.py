@@ -17,8 +17,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, copy_engine_combine_inputs, environment, join_nccl, max_over_ranks, run_ranks,  # noqa: E402
-                    time_ms, write_result)
+from common import (capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, max_over_ranks,  # noqa: E402
+                    run_and_write, time_ms)
 
 
 def worker(rank, world, port, args, queue):
@@ -54,10 +54,7 @@ def worker(rank, world, port, args, queue):
             if rank == 0:
                 print(f"P={P} tokens per step {tb}, {warps} warps: "
                       + ", ".join(f"{kernel} {row[kernel + '_us']:.1f} us" for kernel in args.kernels), flush=True)
-    if rank == 0:
-        queue.put({"rows": rows})
-    dist.barrier(device_ids=[rank])
-    dist.destroy_process_group()
+    end_worker(rank, queue, {"rows": rows})
 
 
 def main():
@@ -72,10 +69,8 @@ def main():
                         help="which calls to time (only their tokens per step change)")
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    res = run_ranks(worker, args.world, args)
-    path = write_result("ep_steps", {"env": environment(), "args": vars(args), **res,
-                                     "notes": "replayed from CUDA graphs; max over ranks of per-rank medians"})
-    print(f"wrote {path}")
+    run_and_write("ep_steps", worker, args,
+                  "replayed from CUDA graphs; max over ranks of per-rank medians")
 
 
 if __name__ == "__main__":

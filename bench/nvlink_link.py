@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, join_nccl, max_over_ranks, run_ranks, time_ms, write_result  # noqa: E402
+from common import join_nccl, max_over_ranks, run_and_write, time_ms  # noqa: E402
 
 CONFIGS = {  # name -> sm_copy keyword arguments
     "ldst_b2048_w8": dict(method="ldst", block=2048, num_warps=8),
@@ -181,10 +181,8 @@ def main():
                         help="copy-engine shares of a copy split with SM programs, both at once")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    res = run_ranks(worker, args.world, args)
-    path = write_result("nvlink_link", {"env": environment(), "args": vars(args), **res,
-                                        "notes": "every rank copies at once; time = max over ranks of medians"})
-    print(f"wrote {path}")
+    run_and_write("nvlink_link", worker, args,
+                  "every rank copies at once; time = max over ranks of medians")
 
 
 if __name__ == "__main__":

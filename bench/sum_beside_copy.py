@@ -26,7 +26,7 @@ import torch.distributed as dist
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import call_times_ms, environment, join_nccl, max_over_ranks, run_ranks, write_result  # noqa: E402
+from common import call_times_ms, end_worker, join_nccl, max_over_ranks, run_and_write  # noqa: E402
 
 
 def worker(rank, world, port, args, queue):
@@ -85,10 +85,7 @@ def worker(rank, world, port, args, queue):
             if rank == 0:
                 print(f"P={P} {name}: alone {row['alone_us']:.1f} us, beside a peer copy {row['peer_copy_us']:.1f}, "
                       f"beside a local copy {row['local_copy_us']:.1f}; equal {equal}", flush=True)
-    if rank == 0:
-        queue.put({"rows": rows})
-    dist.barrier(device_ids=[rank])
-    dist.destroy_process_group()
+    end_worker(rank, queue, {"rows": rows})
 
 
 def main():
@@ -98,11 +95,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    res = run_ranks(worker, args.world, args)
-    path = write_result("sum_beside_copy", {"env": environment(), "args": vars(args), **res,
-                                            "notes": "sum kernel time (events on its stream), max over ranks of "
-                                                     "medians; copies started just before on a side stream"})
-    print(f"wrote {path}")
+    run_and_write("sum_beside_copy", worker, args,
+                  "sum kernel time (events on its stream), max over ranks of "
+                  "medians; copies started just before on a side stream")
 
 
 if __name__ == "__main__":
