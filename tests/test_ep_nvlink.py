@@ -336,6 +336,39 @@ def test_combines_in_a_row_keep_each_ones_rows(bulk):
     mp.spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
 
 
+def _pooled_streams_worker(rank, world, port):
+    """Cached dispatches and their combines, each round on the next of torch's pooled streams
+    (``torch.cuda.Stream()`` hands out the same 32 per priority in turn), new rows each round, the round trip
+    checked: in session 17 the copy stream was one of those streams, and a dispatch run on it waited for its own
+    copies, queued behind it there, until its timeout."""
+    dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 13, "copy_engine")
+    pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}
+    assert len(pooled) < 70 and transport.copy_stream.cuda_stream not in pooled  # pooled: handed out again
+    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    torch.cuda.synchronize()
+    n = int(torch.as_tensor(layout.num_recv_tokens).item())
+    for round_ in range(40):
+        f = (-2.0) ** (round_ % 4)  # exact in bf16: each round's rows differ, stale ones would show
+        x = xs[rank] * f
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            rx, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, cached=layout)
+            y = (rx[:n].float() * (rank + 1)).to(torch.bfloat16)
+            out, _ = transport.combine(y, None, layout)
+        stream.synchronize()
+        transport.raise_if_failed()
+        assert torch.equal(out, expected_combine(x, in_ranks[rank])), f"rank {rank}, round {round_}: round trip differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_calls_on_any_pooled_stream_never_wait_for_their_own_copies():
+    mp.spawn(_pooled_streams_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
 def _late_copies_worker(rank, world, port):
     """A combine whose copies start late (a sleep queued on the copy stream first), eager and replayed from a CUDA
     graph, while its kernel sums at once: with ``combine_copy_share`` < 1 a block of tokens whose last row the
