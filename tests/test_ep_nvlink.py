@@ -170,6 +170,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         transport = CopyEngineTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
                                         num_chunks=3, timeout_s=20)
         poison_from = transport.offsets["sx"]
+        pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}  # every stream torch's pool hands out
+        assert not pooled & {s.cuda_stream for s in transport.copy_streams}, "a copy stream is a pooled stream"
     num_local = E // world
     for case, (T_all, K, quantize, worst) in enumerate(cases):
         g = torch.Generator(device="cpu").manual_seed(1000 + case)
