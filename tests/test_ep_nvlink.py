@@ -100,6 +100,25 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
+def test_a_timed_out_wait_is_named_by_what_it_waited_for():
+    """Each status code the kernels write names its wait in the EPTimeoutError (rank, peer, counts); code 4 (the
+    receive size passed num_worst_tokens) is a ValueError. The host side alone, on the CPU."""
+    transport = nvlink.NvlinkTransport.__new__(nvlink.NvlinkTransport)
+    transport.rank, transport.timeout_s = 0, 5.0
+    for code, text in nvlink.WAITS.items():
+        transport.status = torch.tensor([code, 1, 41, 42], dtype=torch.int32)
+        with pytest.raises(nvlink.EPTimeoutError) as caught:
+            transport.raise_if_failed()
+        assert caught.value.peer == 1 and caught.value.phase == text.format(peer=1) + " (saw 41, expected 42)"
+        assert str(caught.value).startswith("rank 0: ") and "timeout_s=5" in str(caught.value)
+    assert len({text.split(":")[0] for text in nvlink.WAITS.values()}) == 3  # notify, dispatch, combine
+    transport.status = torch.tensor([4, 9000, 8192, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_worst_tokens"):
+        transport.raise_if_failed()
+    transport.status = torch.zeros(4, dtype=torch.int32)
+    transport.raise_if_failed()
+
+
 # --- on GPUs --------------------------------------------------------------------------------------------
 
 def _init_nccl(rank, world, port):
