@@ -4,7 +4,8 @@
 # waited for its own copies queued behind it). (1) The new regression test on the branch; (2) the same test with
 # the copy stream taken from the pool again (variants/pooled, made here by make_variants_session18.sh): expected
 # to fail with "dispatch: waiting for this rank's copies to land on rank ..."; (3) session 17's failing ep.py
-# command on the branch; (4) the nvlink, copy-engine and error GPU tests on the branch.
+# command on the branch (it also runs StartTogether.graph, now common.capture_graph); (4) the nvlink, copy-engine
+# and error GPU tests on the branch.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
