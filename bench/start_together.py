@@ -26,6 +26,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from common import capture_graph  # bench/ (the scripts that import this module put it on the path)
+
 from smsplit import ptx
 
 
@@ -94,16 +96,7 @@ class StartTogether:
             fn()
             self.stamp()
 
-        side = torch.cuda.Stream(self.dev)
-        side.wait_stream(torch.cuda.current_stream(self.dev))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(self.dev).wait_stream(side)
-        torch.cuda.synchronize(self.dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return graph
+        return capture_graph(step, self.dev)
 
     def times_ms(self, graph: torch.cuda.CUDAGraph, warmup: int = 3, repeat: int = 20) -> list[float]:
         """Milliseconds from the barrier's exit to the stamp, for each of ``repeat`` replays after ``warmup``; the

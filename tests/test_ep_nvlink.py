@@ -100,6 +100,25 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
+def test_a_timed_out_wait_is_named_by_what_it_waited_for():
+    """Each status code the kernels write names its wait in the EPTimeoutError (rank, peer, counts); code 4 (the
+    receive size passed num_worst_tokens) is a ValueError. The host side alone, on the CPU."""
+    transport = nvlink.NvlinkTransport.__new__(nvlink.NvlinkTransport)
+    transport.rank, transport.timeout_s = 0, 5.0
+    for code, text in nvlink.WAITS.items():
+        transport.status = torch.tensor([code, 1, 41, 42], dtype=torch.int32)
+        with pytest.raises(nvlink.EPTimeoutError) as caught:
+            transport.raise_if_failed()
+        assert caught.value.peer == 1 and caught.value.phase == text.format(peer=1) + " (saw 41, expected 42)"
+        assert str(caught.value).startswith("rank 0: ") and "timeout_s=5" in str(caught.value)
+    assert len({text.split(":")[0] for text in nvlink.WAITS.values()}) == 3  # notify, dispatch, combine
+    transport.status = torch.tensor([4, 9000, 8192, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_worst_tokens"):
+        transport.raise_if_failed()
+    transport.status = torch.zeros(4, dtype=torch.int32)
+    transport.raise_if_failed()
+
+
 # --- on GPUs --------------------------------------------------------------------------------------------
 
 def _init_nccl(rank, world, port):
@@ -170,6 +189,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         transport = CopyEngineTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
                                         num_chunks=3, timeout_s=20)
         poison_from = transport.offsets["sx"]
+        pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}  # every stream torch's pool hands out
+        assert not pooled & {s.cuda_stream for s in transport.copy_streams}, "a copy stream is a pooled stream"
     num_local = E // world
     for case, (T_all, K, quantize, worst) in enumerate(cases):
         g = torch.Generator(device="cpu").manual_seed(1000 + case)
@@ -334,6 +355,39 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
 @pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
 def test_combines_in_a_row_keep_each_ones_rows(bulk):
     mp.spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
+
+
+def _pooled_streams_worker(rank, world, port):
+    """Cached dispatches and their combines, each round on the next of torch's pooled streams
+    (``torch.cuda.Stream()`` hands out the same 32 per priority in turn), new rows each round, the round trip
+    checked: in session 17 the copy stream was one of those streams, and a dispatch run on it waited for its own
+    copies, queued behind it there, until its timeout."""
+    dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 13, "copy_engine")
+    pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}
+    assert len(pooled) < 70 and transport.copy_stream.cuda_stream not in pooled  # pooled: handed out again
+    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    torch.cuda.synchronize()
+    n = int(torch.as_tensor(layout.num_recv_tokens).item())
+    for round_ in range(40):
+        f = (-2.0) ** (round_ % 4)  # exact in bf16: each round's rows differ, stale ones would show
+        x = xs[rank] * f
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            rx, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, cached=layout)
+            y = (rx[:n].float() * (rank + 1)).to(torch.bfloat16)
+            out, _ = transport.combine(y, None, layout)
+        stream.synchronize()
+        transport.raise_if_failed()
+        assert torch.equal(out, expected_combine(x, in_ranks[rank])), f"rank {rank}, round {round_}: round trip differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_calls_on_any_pooled_stream_never_wait_for_their_own_copies():
+    mp.spawn(_pooled_streams_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _late_copies_worker(rank, world, port):

@@ -42,6 +42,27 @@ class StreamOps:
         self._batch_attrs = None
         self.batched = None  # whether cuMemcpyBatchAsync works here (None: not tried yet)
         self.device = torch.device(device)
+        self._owned = []  # streams made by new_stream, destroyed with this object
+
+    def new_stream(self) -> torch.cuda.ExternalStream:
+        """A stream of its own (``cuStreamCreate``, non-blocking), for copies that kernels on other streams wait
+        for. Not one of torch's pooled streams: ``torch.cuda.Stream()`` hands out the same 32 streams per priority
+        in turn, so a caller's stream could be this one, and a kernel that waits for copies queued behind it on
+        that stream would wait until its timeout."""
+        d = self._driver
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream()  # the device's primary context current on this thread
+            err, stream = d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+            self._check(err, "cuStreamCreate")
+            self._owned.append(stream)
+            return torch.cuda.ExternalStream(int(stream), device=self.device)
+
+    def __del__(self):
+        for stream in getattr(self, "_owned", ()):
+            try:  # work still queued there finishes first (the driver releases the stream after it)
+                self._driver.cuStreamDestroy(stream)
+            except Exception:  # interpreter shutdown: the driver module may be gone
+                pass
 
     def _stream(self, stream: torch.cuda.Stream):
         handle = stream.cuda_stream
@@ -342,7 +363,7 @@ class CopyEngineTransport:
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent tensors
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ops = StreamOps(self.device)
-        self.copy_streams = [torch.cuda.Stream(self.device) for _ in range(num_copy_streams)]
+        self.copy_streams = [self.ops.new_stream() for _ in range(num_copy_streams)]
         self.dispatch_epoch = 0
         self.combine_epoch = 0
         torch.cuda.synchronize(self.device)

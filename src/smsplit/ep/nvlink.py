@@ -54,7 +54,16 @@ from .transport import EPError, EPTimeoutError
 
 SCALE_BLOCK = 128
 ALIGN = 256
-PHASES = ("notify", "dispatch", "combine")
+# what a timed-out wait was waiting for, by the code the kernels write into the status word (4: not a wait, the
+# receive size passed num_worst_tokens)
+WAITS = {1: "notify: waiting for rank {peer}'s token counts",
+         2: "dispatch: waiting for rank {peer}'s rows",
+         3: "combine: waiting for rank {peer}'s rows",
+         5: "dispatch: waiting for rank {peer} to start the same dispatch",
+         6: "dispatch: waiting for this rank's copies to land on rank {peer}",
+         7: "dispatch: waiting for rank {peer}'s copies to land here",
+         8: "combine: waiting for rank {peer} to finish summing the previous combine",
+         9: "combine: waiting for a chunk copied from rank {peer}"}
 BULK_MOVERS = ("sm", "copy_engine")
 MAX_HOLE_SHARE = 0.125  # bulk="copy_engine": a peer's copied prefix may hold at most this share of tokens not sent there
 MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
@@ -481,7 +490,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     ptx.st_release_sys((sig + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
     if GATE:
         _wait_for_ranks((own + sig_off + STARTED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1,
-                        finished + 1, timeout_ns, status_ptr, fail_ptr, 2)
+                        finished + 1, timeout_ns, status_ptr, fail_ptr, 5)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(bases_ptr + cols, mask=cols < R, other=0)
@@ -552,7 +561,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             for d in range(R):
                 if _pick(copied, cols, d) > 0:
                     flag = (tl.load(bases_ptr + d) + off_copied).to(tl.pointer_type(tl.int32)) + rank
-                    _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+                    _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 6)
             tl.debug_barrier()
             _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
                                 programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
@@ -564,7 +573,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         if WAIT_COPIES:
             copies_seen = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
             _wait_for_ranks((own + off_copied).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, copies_seen,
-                            timeout_ns, status_ptr, state_ptr + FAIL_WORD, 2)
+                            timeout_ns, status_ptr, state_ptr + FAIL_WORD, 7)
         if num_worst > 0:  # padding rows: zeros, top-k -1, source -1
             total = tl.load(layout_ptr + 2 * R)
             for r0 in range(total + pid * TB, num_worst, programs * TB):
@@ -624,7 +633,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     # every peer has summed the previous combine (its programs' SUMMED_SLOT signals): its combine area
     # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
     _wait_for_ranks((own + sig_off + SUMMED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
-                    timeout_ns, status_ptr, fail_ptr, 3)
+                    timeout_ns, status_ptr, fail_ptr, 8)
     if WAIT_COPIES:
         if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free the copy stream, which
             for d in range(R):  # waits for the same sums unbounded (cuStreamWaitValue32), so that it never hangs
@@ -692,7 +701,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 for d in range(R):
                     c = _pick(need, cols, d)
                     if c > _pick(landed, cols, d):  # chunks land in order: chunk c's flag covers the earlier ones
-                        _wait_for_one(flags + c * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 3)
+                        _wait_for_one(flags + c * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 9)
                 tl.debug_barrier()
                 landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
@@ -700,7 +709,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     if WAIT_COPIES:  # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
         for d in range(R):
             if (d != rank) & (_pick(landed, cols, d) < CHUNKS - 1):
-                _wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 3)
+                _wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 9)
         tl.debug_barrier()
     _signal_all(bases_ptr, sig_off + SUMMED_SLOT * 64, rank, R)  # this program's reads of the combine area are done
     last = _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
@@ -919,7 +928,7 @@ class NvlinkTransport:
             from .copy_engine import StreamOps  # (that module imports this one)
 
             self.ops = StreamOps(self.device)
-            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_stream = self.ops.new_stream()  # not a pooled stream: a caller's stream must never be it
             # copy-done counters (dispatch, combine): the value the next chain copies into peers' flags (chains
             # count from 1), bumped on the copy stream after each chain
             self.copies_done = torch.ones(2, dtype=torch.int32, device=self.device)
@@ -946,8 +955,7 @@ class NvlinkTransport:
         if phase == 4:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
                              f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
-        name = PHASES[phase - 1]
-        what = f"{name}: waiting for rank {peer} (saw {seen} of {expected} arrivals)"
+        what = WAITS.get(phase, "wait {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
         raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
 
     @property
