@@ -190,8 +190,8 @@ def worker(rank, world, port, args, queue):
         tr.num_sms = P
         if share is not None:
             tr.copy_share = share
-        if chunks is not None:
-            tr.combine_chunks = chunks
+        if name == "nvlink_copy_engine":
+            tr.combine_chunks = chunks  # None: the transport's default for P SMs
         if stage is not None:
             tr.stage_chunks = stage
             tr.plan(lay, in_rank)  # the FP8 staging plan for these launches, made before capture
@@ -204,7 +204,9 @@ def worker(rank, world, port, args, queue):
         }
         graphs = {key: graph_of(call) for key, call in calls.items()}
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
-               "combine_copy_share": tr.combine_copy_share if share is not None else None, "combine_chunks": chunks,
+               "combine_copy_share": tr.combine_copy_share if share is not None else None,
+               "combine_chunks": tr.combine_chunks if share is not None else None,
+               "combine_chunks_by_sms": share is not None and chunks is None,
                "stage_chunks": stage}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
@@ -217,7 +219,8 @@ def worker(rank, world, port, args, queue):
         res["graph_rows"].append(row)
         del graphs
         if rank == 0:
-            print(f"{name}{'' if share is None else f' share {share}'}{'' if chunks is None else f' chunks {chunks}'}"
+            chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
+            print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
                   f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
@@ -360,9 +363,10 @@ def main():
     parser.add_argument("--combine-copy-share", type=float, default=1.0,
                         help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")
     parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
-                        default=[(0.5, 0.8, 1.0)],
+                        default=[None],
                         help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
-                             "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1)")
+                             "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1); default: the transport's "
+                             "default_combine_chunks for each comm SM count")
     parser.add_argument("--stage-chunks", type=int, nargs="+", default=[4],
                         help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],

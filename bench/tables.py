@@ -135,13 +135,16 @@ def ep_figure(name="ep"):
             rows = [r for r in d["rows"] if r["transport"] == transport]
             ax.plot([r["comm_sms"] for r in rows], [r[eager_key] * 1e3 for r in rows], "o--", label=f"{transport} (eager)")
         graph_rows = d.get("graph_rows", [])
-        variants = dict.fromkeys((r["transport"], r.get("copy_share"), tuple(r.get("combine_chunks") or ())) for r in graph_rows)
+        def variant(r):  # rows of the default chunks (by SM count) form one line
+            chunks = "default" if r.get("combine_chunks_by_sms") else tuple(r.get("combine_chunks") or ())
+            return r["transport"], r.get("copy_share"), chunks
+
+        variants = dict.fromkeys(variant(r) for r in graph_rows)
         for transport, share, chunks in variants:
-            rows = [r for r in graph_rows if (r["transport"], r.get("copy_share"), tuple(r.get("combine_chunks") or ()))
-                    == (transport, share, chunks)]
+            rows = [r for r in graph_rows if variant(r) == (transport, share, chunks)]
             label = f"{transport} (graph, {'uncached' if share is None else f'copy share {share:g}'}"
             if len({v[2] for v in variants if v[0] == transport}) > 1:
-                label += ", chunks " + ",".join(f"{f:g}" for f in chunks)
+                label += ", chunks " + (chunks if chunks == "default" else ",".join(f"{f:g}" for f in chunks))
             label += ")"
             ax.plot([r["comm_sms"] for r in rows], [r[f"{key}_graph_ms"] * 1e3 for r in rows], "s-", label=label)
         if key == "dispatch_bf16":

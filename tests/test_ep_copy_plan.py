@@ -20,6 +20,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     t.rank, t.num_ranks, t.max_tokens, t.copy_share = rank, num_ranks, max_tokens, copy_share
     t.combine_copy_share = copy_share
     t.num_sms, t.quantize_tokens_per_step = 2, 4  # FP8 staging launches end on rounds of 8 tokens
+    t.combine_chunks = None
     t.status = torch.zeros(4, dtype=torch.int32)
     t.device = torch.device("cpu")
     return t
@@ -137,6 +138,22 @@ def test_combine_chunks_return_each_sources_rows_as_one_block(num_ranks, rank, s
             assert mine == ([(recv_start[source] + begin, end - begin, begin)] if end > begin else [])
             begin = end
         assert begin == copied  # the SMs push positions copied..n-1
+
+
+def test_combine_chunks_follow_the_comm_sms_until_set():
+    tr = transport(1, 2, max_tokens=40, copy_share=1.0)
+    lay = layout(0, 2, recv_start=[0, 20, 40])
+    for num_sms, fractions in ((8, (0.5, 0.8, 1.0)), (19, (0.5, 0.8, 1.0)), (20, (0.4, 0.7, 0.9, 1.0)),
+                               (32, (0.4, 0.7, 0.9, 1.0))):
+        tr.num_sms = num_sms
+        assert tr.combine_chunks == fractions
+        chunks, ends = tr._combine_split(lay)  # source 0 sent 20 rows
+        assert ends[0].tolist() == [round(20 * f) for f in fractions]
+    tr.combine_chunks = [0.25, 1.0]
+    tr.num_sms = 8
+    assert tr.combine_chunks == (0.25, 1.0) and tr._combine_split(lay)[1][0].tolist() == [5, 20]
+    tr.combine_chunks = None
+    assert tr.combine_chunks == (0.5, 0.8, 1.0)
 
 
 def test_combine_chunks_are_checked():

@@ -67,6 +67,7 @@ WAITS = {1: "notify: waiting for rank {peer}'s token counts",
 BULK_MOVERS = ("sm", "copy_engine")
 MAX_HOLE_SHARE = 0.125  # bulk="copy_engine": a peer's copied prefix may hold at most this share of tokens not sent there
 MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut into
+
 # local state words (per rank, not shared): [phase] arrivals per source seen so far, [FINISHED_WORD] dispatches
 # this rank has finished, [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a
 # wait timed out, [COPIES_WORD + 0/1] copy-done flags per peer seen so far (bulk="copy_engine": dispatch, combine
@@ -780,6 +781,13 @@ def _stage_bounds(num_tokens: int, chunks: int, round_tokens: int) -> list[int]:
     return [0] + sorted(cuts - {0, num_tokens}) + [num_tokens]
 
 
+def default_combine_chunks(num_sms: int) -> tuple[float, ...]:
+    """The chunks (increasing fractions of the copied rows) a combine's copies are cut into, by comm SMs: from 20
+    SMs on four, below three (2 H200s, DeepSeek-V3 shape, session 18: four were 7-8 us faster at 20 SMs, 1-6 at
+    24 and 32, 7-8 us slower at 16, within 4 us at 8; BENCHMARKS.md section 2)."""
+    return (0.4, 0.7, 0.9, 1.0) if num_sms >= 20 else (0.5, 0.8, 1.0)
+
+
 def _share_of(share: float, n: int) -> int:
     """``ceil(share * n)``, not tripped up by binary fractions (0.7 * 300 is 210.00000000000003)."""
     return min(n, math.ceil(round(share * n, 6)))
@@ -863,7 +871,8 @@ class NvlinkTransport:
             `_prefix_plan`); a peer whose copy would hold more than ``MAX_HOLE_SHARE`` holes gets its rows from
             the SMs, in token order. A combine's rows go back to each source as one block, copied in the chunks
             ``combine_chunks`` (an attribute: increasing fractions of the copied rows, the last 1.0, at most
-            ``MAX_CHUNKS``), each with its own flag, and the sum starts on a chunk as soon as it has landed.
+            ``MAX_CHUNKS``; by default `default_combine_chunks` of ``num_sms``), each with its own flag, and the
+            sum starts on a chunk as soon as it has landed.
         copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
             for a peer that gets ``n`` rows, rows ``0 .. ceil(copy_share * n)-1`` of x; the SMs push the rest at
             the same time (both paths then share NVLink; 1.0: copy engines only, but the holes). An FP8 dispatch
@@ -904,7 +913,7 @@ class NvlinkTransport:
         # (8 spills there)
         self.combine_tokens_per_step = 8 if self.num_ranks == 2 else 4
         self.num_warps = 16  # per program of the dispatch and combine kernels
-        self.combine_chunks = (0.5, 0.8, 1.0)
+        self.combine_chunks = None  # by num_sms: default_combine_chunks
         self.stage_chunks = 4
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
@@ -1016,6 +1025,16 @@ class NvlinkTransport:
             self._dispatch_split(layout, is_token_in_rank)
             self._stage_split(layout, is_token_in_rank)
             self._combine_split(layout)
+
+    @property
+    def combine_chunks(self) -> tuple[float, ...]:
+        """The chunks a combine's copies are cut into (see the class docstring); set a tuple of fractions to force
+        them, None for `default_combine_chunks` of ``num_sms``."""
+        return default_combine_chunks(self.num_sms) if self._combine_chunks is None else self._combine_chunks
+
+    @combine_chunks.setter
+    def combine_chunks(self, fractions) -> None:
+        self._combine_chunks = None if fractions is None else tuple(fractions)
 
     def _combine_split(self, layout: NvlinkLayout):
         """``(chunks, chunk_ends)`` for ``combine_copy_share`` and ``combine_chunks`` (made once per layout, after a host
