@@ -211,14 +211,16 @@ def run_and_write(name: str, worker, args, notes: str) -> Path:
     return path
 
 
-def concurrent_run(budget, gemm, copy, n_gemm, n_copy):
+def concurrent_run(budget, gemm, copy, n_gemm, n_copy, sleep_ms: float = 25.0):
     """Run ``gemm`` on the budget's compute stream and ``copy`` (any comm work) on its comm stream,
     starting both loops at the same instant (both streams wait on one event recorded after a sleep
-    kernel, so every launch is queued before either starts). Returns the per-call times of the
-    GEMMs that ran entirely while copies ran, and of the copies that ran entirely while GEMMs ran."""
+    kernel of at least ``sleep_ms``, so every launch is queued before either starts). Returns the per-call
+    times of the GEMMs that ran entirely while copies ran, of the copies that ran entirely while GEMMs ran,
+    and the windows, with ``queued_before_start``: whether the sleep outlasted the queueing (if not, host-bound
+    copies may have left gaps, and the GEMM's slowdown reads low)."""
     torch.cuda.synchronize()
     gate = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)  # ~25 ms at 2 GHz: time to queue everything
+    torch.cuda._sleep(int(sleep_ms * 2e6))  # cycles: at most 2 GHz on Hopper, so at least sleep_ms
     gate.record()
     spans = {"gemm": [], "copy": []}
     for stream, fn, n, name in ((budget.compute_stream, gemm, n_gemm, "gemm"), (budget.comm_stream, copy, n_copy, "copy")):
@@ -230,10 +232,55 @@ def concurrent_run(budget, gemm, copy, n_gemm, n_copy):
                 fn()
                 e1.record(stream)
                 spans[name].append((e0, e1))
+    queued_before_start = not gate.query()
     torch.cuda.synchronize()
     window = {k: [(gate.elapsed_time(a), gate.elapsed_time(b)) for a, b in v] for k, v in spans.items()}
     g_lo, g_hi = window["gemm"][0][0], window["gemm"][-1][1]
     c_lo, c_hi = window["copy"][0][0], window["copy"][-1][1]
     gemm_inside = [b - a for a, b in window["gemm"] if a >= c_lo and b <= c_hi]
     copy_inside = [b - a for a, b in window["copy"] if a >= g_lo and b <= g_hi]
-    return gemm_inside, copy_inside, {"gemm_window_ms": [g_lo, g_hi], "copy_window_ms": [c_lo, c_hi]}
+    return gemm_inside, copy_inside, {"gemm_window_ms": [g_lo, g_hi], "copy_window_ms": [c_lo, c_hi],
+                                      "queued_before_start": queued_before_start}
+
+
+def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int, copy_factor: float = 1.4,
+                       agree=None, copy_host_ms: float = 0.0):
+    """``rounds`` short rounds on ``budget``, each measuring the GEMM alone (compute stream), the
+    copy alone (comm stream) and one concurrent run of both (``concurrent_run``) back to back; odd
+    rounds run the three in reverse order, so a drift inside a round biases no side. A round's
+    concurrent run queues ``n_gemm`` GEMMs and enough copies to outlast them (``copy_factor`` times
+    the GEMMs' time alone, from that round's or, when the concurrent run comes first, the previous
+    round's alone figures). Returns one dict per round: the alone medians, the medians of the
+    concurrent samples, the sample counts, the kept ratios (alone / concurrent time; the copy's is
+    ``None`` when no copy ran entirely inside the GEMMs) and the concurrent run's windows. Across ranks
+    whose copies wait for each other, ``agree(n)`` makes every rank's copy count the same (say, the max
+    over ranks); ``copy_host_ms`` (host time to queue one copy call) lengthens the gate's sleep so that
+    every call is queued before the two loops start."""
+    out, alone = [], {}
+    for r in range(rounds):
+        order = ["gemm_alone", "copy_alone", "concurrent"]
+        if r % 2:
+            order.reverse()
+        got = {"round": r, "order": order}
+        for step in order:
+            if step == "gemm_alone":
+                alone["gemm"] = time_ms(gemm, stream=budget.compute_stream, warmup=2, repeat=repeat)["median_ms"]
+                got["gemm_alone_ms"] = alone["gemm"]
+            elif step == "copy_alone":
+                alone["copy"] = time_ms(copy, stream=budget.comm_stream, warmup=2, repeat=repeat)["median_ms"]
+                got["copy_alone_ms"] = alone["copy"]
+            else:
+                n_copy = max(4, int(copy_factor * n_gemm * alone["gemm"] / alone["copy"]))
+                n_copy = agree(n_copy) if agree is not None else n_copy
+                sleep_ms = max(25.0, 1.5 * n_copy * copy_host_ms + 5.0)
+                g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy, sleep_ms=sleep_ms)
+                got.update({"gemm_concurrent_ms": statistics.median(g) if g else None,
+                            "copy_concurrent_ms": statistics.median(c) if c else None,
+                            "gemm_concurrent_samples": len(g), "copy_concurrent_samples": len(c),
+                            "n_gemm": n_gemm, "n_copy": n_copy, "window": w})
+                got["_samples"] = (g, c)
+        got["gemm_kept"] = (got["gemm_alone_ms"] / got["gemm_concurrent_ms"]) if got["gemm_concurrent_ms"] else None
+        got["copy_kept"] = (got["copy_alone_ms"] / got["copy_concurrent_ms"]) if got["copy_concurrent_ms"] else None
+        out.append(got)
+    return out
+

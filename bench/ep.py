@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, concurrent_run, end_worker, environment, join_nccl, max_over_ranks,  # noqa: E402
+from common import (capture_graph, end_worker, environment, interleaved_rounds, join_nccl, max_over_ranks,  # noqa: E402
                     routed_tokens, run_ranks, time_ms, write_result)
 from start_together import StartTogether  # noqa: E402
 
@@ -320,24 +320,43 @@ def worker(rank, world, port, args, queue):
                             num_worst_tokens=worst, cached=lay)
                 tr.combine(y, None, lay)
 
-            with torch.cuda.stream(budget.comm_stream):
-                comm_alone = timed(comm)
-            gemm_alone = time_ms(lambda: torch.matmul(a, b), stream=budget.compute_stream, repeat=10)["median_ms"]
-            n_comm = int(max_over_ranks(max(4, int(1.4 * 20 * gemm_alone / comm_alone)), dev))  # same on all ranks
-            dist.barrier(device_ids=[rank])
-            g_in, c_in, _ = concurrent_run(budget, lambda: torch.matmul(a, b), comm, 20, n_comm)
+            with torch.cuda.stream(budget.comm_stream):  # warm, and the host time to queue one call
+                comm()
+                torch.cuda.synchronize()
+                host_ms = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    comm()
+                    host_ms.append((time.perf_counter() - t0) * 1e3)
+                    torch.cuda.synchronize()
+            rounds = interleaved_rounds(budget, lambda: torch.matmul(a, b), comm, args.concurrent_rounds, repeat=10,
+                                        n_gemm=10, agree=lambda k: int(max_over_ranks(k, dev)),
+                                        copy_host_ms=max_over_ranks(max(host_ms), dev))
             torch.cuda.synchronize()
             tr.raise_if_failed()
+            slowdowns = [1 / r["gemm_kept"] - 1 for r in rounds if r["gemm_kept"]]
+            g_in = [t for r in rounds for t in r["_samples"][0]]
+            c_in = [t for r in rounds for t in r["_samples"][1]]
             entry = {"transport": name, "asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
-                     "gemm_full_gpu_ms": gemm_full, "gemm_alone_on_budget_ms": gemm_alone,
+                     "gemm_full_gpu_ms": gemm_full,
+                     "gemm_alone_on_budget_ms": statistics.median(r["gemm_alone_ms"] for r in rounds),
                      "gemm_concurrent_ms": statistics.median(g_in) if g_in else None,
-                     "comm_alone_ms": comm_alone, "comm_concurrent_ms": statistics.median(c_in) if c_in else None,
-                     "samples": [len(g_in), len(c_in)]}
+                     "gemm_slowdown": statistics.median(slowdowns) if slowdowns else None,
+                     "gemm_slowdown_rounds": slowdowns,
+                     "comm_alone_ms": statistics.median(r["copy_alone_ms"] for r in rounds),
+                     "comm_concurrent_ms": statistics.median(c_in) if c_in else None,
+                     "comm_host_ms": max(host_ms),
+                     "all_queued_before_start": all(r["window"]["queued_before_start"] for r in rounds),
+                     "samples": [len(g_in), len(c_in)],
+                     "rounds": [{k: v for k, v in r.items() if k != "_samples"} for r in rounds]}
             conc.append(entry)
             if rank == 0:
-                print(f"{name} concurrent (comm {budget.comm_sms} SMs): GEMM full {gemm_full:.3f} ms, on budget "
-                      f"{gemm_alone:.3f} ms, with comm {entry['gemm_concurrent_ms']} ms; fp8 dispatch+combine alone "
-                      f"{comm_alone * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms']} ms", flush=True)
+                print(f"{name} concurrent (comm {budget.comm_sms} SMs, {len(rounds)} rounds): GEMM full "
+                      f"{gemm_full:.3f} ms, on budget {entry['gemm_alone_on_budget_ms']:.3f} ms, with comm "
+                      f"{entry['gemm_concurrent_ms']:.3f} ms; slowdown median {entry['gemm_slowdown'] * 100:+.1f}% "
+                      f"(rounds {', '.join(f'{x * 100:+.1f}' for x in slowdowns)}); fp8 dispatch+combine alone "
+                      f"{entry['comm_alone_ms'] * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms'] * 1e3:.1f} us; "
+                      f"all queued before start: {entry['all_queued_before_start']}", flush=True)
     res["concurrent"] = conc
     if "nvlink_copy_engine" in transports:  # whether the copies went in one cuMemcpyBatchAsync per call
         res["nvlink_copy_engine_batched"] = transports["nvlink_copy_engine"].ops.batched
@@ -352,6 +371,8 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
     parser.add_argument("--concurrent-sms", type=int, nargs="*", default=[20])
+    parser.add_argument("--concurrent-rounds", type=int, default=4,
+                        help="rounds of GEMM alone, comm alone and both (odd rounds in reverse order)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])

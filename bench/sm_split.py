@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIGURES, concurrent_run, environment, time_ms, write_result  # noqa: E402
+from common import FIGURES, concurrent_run, environment, interleaved_rounds, time_ms, write_result  # noqa: E402
 
 from smsplit.budget import SmBudget  # noqa: E402
 from smsplit.copy import sm_copy  # noqa: E402
@@ -74,42 +74,6 @@ def spread(values) -> dict:
     if not vals:
         return {"median": None, "min": None, "max": None}
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-
-
-def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int, copy_factor: float = 1.4):
-    """``rounds`` short rounds on ``budget``, each measuring the GEMM alone (compute stream), the
-    copy alone (comm stream) and one concurrent run of both (``concurrent_run``) back to back; odd
-    rounds run the three in reverse order, so a drift inside a round biases no side. A round's
-    concurrent run queues ``n_gemm`` GEMMs and enough copies to outlast them (``copy_factor`` times
-    the GEMMs' time alone, from that round's or, when the concurrent run comes first, the previous
-    round's alone figures). Returns one dict per round: the alone medians, the medians of the
-    concurrent samples, the sample counts, the kept ratios (alone / concurrent time; the copy's is
-    ``None`` when no copy ran entirely inside the GEMMs) and the concurrent run's windows."""
-    out, alone = [], {}
-    for r in range(rounds):
-        order = ["gemm_alone", "copy_alone", "concurrent"]
-        if r % 2:
-            order.reverse()
-        got = {"round": r, "order": order}
-        for step in order:
-            if step == "gemm_alone":
-                alone["gemm"] = time_ms(gemm, stream=budget.compute_stream, warmup=2, repeat=repeat)["median_ms"]
-                got["gemm_alone_ms"] = alone["gemm"]
-            elif step == "copy_alone":
-                alone["copy"] = time_ms(copy, stream=budget.comm_stream, warmup=2, repeat=repeat)["median_ms"]
-                got["copy_alone_ms"] = alone["copy"]
-            else:
-                n_copy = max(4, int(copy_factor * n_gemm * alone["gemm"] / alone["copy"]))
-                g, c, w = concurrent_run(budget, gemm, copy, n_gemm, n_copy)
-                got.update({"gemm_concurrent_ms": statistics.median(g) if g else None,
-                            "copy_concurrent_ms": statistics.median(c) if c else None,
-                            "gemm_concurrent_samples": len(g), "copy_concurrent_samples": len(c),
-                            "n_gemm": n_gemm, "n_copy": n_copy, "window": w})
-                got["_samples"] = (g, c)
-        got["gemm_kept"] = (got["gemm_alone_ms"] / got["gemm_concurrent_ms"]) if got["gemm_concurrent_ms"] else None
-        got["copy_kept"] = (got["copy_alone_ms"] / got["copy_concurrent_ms"]) if got["copy_concurrent_ms"] else None
-        out.append(got)
-    return out
 
 
 def interleaved_row(rounds: list[dict], n: int, nbytes: int) -> dict:

@@ -114,7 +114,12 @@ def ep():
         print(f"\n{c.get('transport', 'nvlink')}, concurrent (green, asked {c['asked']} → {c['comm_sms']} comm SMs, {c['compute_sms']} compute SMs): "
               f"GEMM 8192^3 {c['gemm_full_gpu_ms']:.3f} ms on the full GPU, {c['gemm_alone_on_budget_ms']:.3f} ms alone "
               f"on its budget, {c['gemm_concurrent_ms']:.3f} ms beside FP8 dispatch + combine; dispatch + combine "
-              f"{c['comm_alone_ms'] * 1e3:.0f} us alone, {c['comm_concurrent_ms'] * 1e3:.0f} us beside the GEMM.")
+              f"{c['comm_alone_ms'] * 1e3:.0f} us alone, {c['comm_concurrent_ms'] * 1e3:.0f} us beside the GEMM."
+              + (f" GEMM slowdown beside the comm, median of {len(c['rounds'])} rounds (each: GEMM alone, comm alone, "
+                 f"both; odd rounds reversed): {c['gemm_slowdown'] * 100:+.1f}% (rounds "
+                 + ", ".join(f"{x * 100:+.1f}" for x in c["gemm_slowdown_rounds"]) + "%); every call queued before "
+                 f"the loops started: {'yes' if c['all_queued_before_start'] else 'NO (host-bound gaps possible)'}."
+                 if "rounds" in c else ""))
 
 
 def ep_figure(name="ep"):
