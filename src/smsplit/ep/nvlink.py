@@ -783,7 +783,7 @@ def _stage_bounds(num_tokens: int, chunks: int, round_tokens: int) -> list[int]:
 
 def default_combine_chunks(num_sms: int) -> tuple[float, ...]:
     """The chunks (increasing fractions of the copied rows) a combine's copies are cut into, by comm SMs: from 20
-    SMs on four, below three (2 H200s, DeepSeek-V3 shape, session 18: four were 7-8 us faster at 20 SMs, 1-6 at
+    SMs on four, below three (2 H200s, DeepSeek-V3 shape, session 18: four were 7-8 us faster at 20 SMs, 0.5-6 at
     24 and 32, 7-8 us slower at 16, within 4 us at 8; BENCHMARKS.md section 2)."""
     return (0.4, 0.7, 0.9, 1.0) if num_sms >= 20 else (0.5, 0.8, 1.0)
 
