@@ -13,7 +13,10 @@ Two modes:
   ``budget.requested_comm_sms``.
 * ``"grid"`` -- no partition. The comm kernels of this library launch exactly ``comm_sms``
   persistent programs on ``comm_stream`` (high priority); compute runs beside them on
-  ``compute_stream``. Kernels on either stream may use any SM.
+  ``compute_stream``. Kernels on either stream may use any SM. Both streams are torch's pooled
+  streams (``torch.cuda.Stream``, which hands out the same 32 per priority in turn), so another
+  ``torch.cuda.Stream()`` of the same priority may be one of them, and work on the two then runs in
+  order (no wait of this library depends on it: the EP transports' copies run on streams of their own).
 
 Example::
 
