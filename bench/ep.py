@@ -188,9 +188,8 @@ def worker(rank, world, port, args, queue):
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
-        if share is not None:
+        if share is not None:  # nvlink_copy_engine
             tr.copy_share = share
-        if name == "nvlink_copy_engine":
             tr.combine_chunks = chunks  # None: the transport's default for P SMs
         if stage is not None:
             tr.stage_chunks = stage
