@@ -1,7 +1,8 @@
 """Expert-parallel dispatch/combine benchmark on the GPUs of one node (DeepSeek-V3 shape).
 
 Per rank: 4096 tokens, hidden 7168, 256 experts, top-8 (uniform random routing). For each comm SM
-count: BF16 dispatch, FP8 dispatch (quantization fused, from BF16 input), combine (BF16), each with
+count: BF16 dispatch, FP8 dispatch (quantization fused, from BF16 input), FP8 dispatch of input quantized before
+the call (``dispatch((x_fp8, scales), ...)``, as DeepEP's benchmark times its FP8 dispatch), combine (BF16), each with
 the SM-push NVLink transport (``smsplit.ep.nvlink``) using exactly that many persistent programs, the
 same with a copy engine moving the BF16 rows (``bulk="copy_engine"``), and the copy-engine transport.
 Dispatch is timed with a cached layout (as DeepEP's benchmark does) and with the count exchange.
@@ -45,22 +46,23 @@ QUEUED = 5
 
 def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) -> dict:
     """Poison the receive and combine areas, dispatch x and combine the received rows unchanged: each token must
-    come back times the number of ranks it went to, exactly (BF16; FP8: its e4m3 rows dequantized to BF16, per
-    ``smsplit.fp8.quantize_1x128``). Checks placement and return for any order of the received rows."""
+    come back times the number of ranks it went to, exactly (BF16; FP8, quantized in the dispatch or before it
+    (``fp8_input``): its e4m3 rows dequantized to BF16, per ``smsplit.fp8.quantize_1x128``). Checks placement and
+    return for any order of the received rows."""
     from smsplit.fp8 import quantize_1x128
 
     times = in_rank.sum(1, keepdim=True).float()
     q, s = quantize_1x128(x)
     deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
     result = {}
-    for name, quantize, source in (("bf16", False, x), ("fp8", True, deq)):
+    for name, quantize, source in (("bf16", False, x), ("fp8", True, deq), ("fp8_input", False, deq)):
         tr.buffer[tr.offsets["x"]:].fill_(0x7F)
         torch.cuda.synchronize()
         dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
         # start at once: no count exchange orders them after the peer's work)
-        rx, rs, *_, lay = tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=quantize,
-                                      num_worst_tokens=worst, cached=cached)
-        if quantize:
+        rx, rs, *_, lay = tr.dispatch(*((q, s) if name == "fp8_input" else (x, None)), topk, weights, in_rank,
+                                      num_local, quantize=quantize, num_worst_tokens=worst, cached=cached)
+        if rs is not None:
             rx = (rx.float().view(rx.size(0), -1, 128) * rs[:, :, None]).view(rx.size(0), -1).to(torch.bfloat16)
         out, _ = tr.combine(rx.contiguous(), None, lay)
         torch.cuda.synchronize()
@@ -74,10 +76,12 @@ def worker(rank, world, port, args, queue):
     from smsplit.budget import SmBudget
     from smsplit.ep.copy_engine import CopyEngineTransport
     from smsplit.ep.nvlink import NvlinkTransport
+    from smsplit.fp8 import quantize_1x128
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     num_local = E // world
     x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
+    xq, xs = quantize_1x128(x)  # FP8 input, as DeepEP's benchmark dispatches it (quantized before the call)
     transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
                                 max_topk=K, timeout_s=60)
     transports = {"nvlink": transport}
@@ -152,6 +156,8 @@ def worker(rank, world, port, args, queue):
             x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst))
         row["dispatch_fp8_cached_ms"] = timed(lambda: tr.dispatch(
             x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=lay))
+        row["dispatch_fp8_input_cached_ms"] = timed(lambda: tr.dispatch(
+            xq, xs, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
         tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay)
         row["combine_ms"] = timed(lambda: tr.combine(y, None, lay))
         torch.cuda.synchronize()
@@ -167,7 +173,8 @@ def worker(rank, world, port, args, queue):
         res["rows"].append(row)
         if rank == 0:
             print(f"{name:11s} P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
-                  f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us, "
+                  f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us (FP8 input "
+                  f"{row['dispatch_fp8_input_cached_ms'] * 1e3:7.1f}), "
                   f"combine {row['combine_ms'] * 1e3:7.1f} us; host per call: dispatch {row['dispatch_bf16_host_us']:.0f} us, "
                   f"combine {row['combine_host_us']:.0f} us", flush=True)
 
@@ -199,6 +206,8 @@ def worker(rank, world, port, args, queue):
                                                  cached=cached),
             "dispatch_fp8": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
                                                 num_worst_tokens=worst, cached=cached),
+            "dispatch_fp8_input": lambda: tr.dispatch(xq, xs, topk, weights, in_rank, num_local,
+                                                      num_worst_tokens=worst, cached=cached),
             "combine": lambda: tr.combine(y, None, lay),
         }
         graphs = {key: graph_of(call) for key, call in calls.items()}
@@ -221,11 +230,11 @@ def worker(rank, world, port, args, queue):
             chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
             print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
                   f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
-                  f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us, combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
+                  f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us (FP8 input {row['dispatch_fp8_input_graph_ms'] * 1e3:.1f}), combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
-                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in calls)
                   + " us; started together: "
-                  + ", ".join(f"{k} {row[k + '_graph_aligned_ms'] * 1e3:.1f}" for k in ("dispatch_bf16", "dispatch_fp8", "combine"))
+                  + ", ".join(f"{k} {row[k + '_graph_aligned_ms'] * 1e3:.1f}" for k in calls)
                   + " us", flush=True)
 
     if "nvlink_copy_engine" in transports:

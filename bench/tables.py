@@ -106,6 +106,22 @@ def ep():
             print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
                   f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |" + steady)
         print()
+    fp8_input = [r for r in graph_rows if "dispatch_fp8_input_graph_ms" in r]
+    if fp8_input:
+        eager = {(r["transport"], r["comm_sms"]): r.get("dispatch_fp8_input_cached_ms") for r in d["rows"]}
+        print("FP8 dispatch of input quantized before the call (`dispatch((x_fp8, scales), ...)`: DeepEP's benchmark "
+              "condition; e4m3 rows and one fp32 scale per 128 values moved as they are), same run:\n")
+        print("| transport | copy share | comm SMs | eager, cached (us) | replayed: one call / 5 queued / started "
+              "together (us) |")
+        print("|---|---|---|---|---|")
+        for r in fp8_input:
+            e = eager.get((r["transport"], r["comm_sms"]))
+            share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
+            print(f"| {r['transport']} | {share} | {r['comm_sms']} | {'' if e is None else f'{e * 1e3:.0f}'} | "
+                  + " / ".join(f"{r[k] * 1e3:.1f}" for k in ("dispatch_fp8_input_graph_ms",
+                                                             "dispatch_fp8_input_graph_queued_ms",
+                                                             "dispatch_fp8_input_graph_aligned_ms")) + " |")
+        print()
     print("| programs | SM copy write to peer (GB/s) | SM copy read from peer (GB/s) |")
     print("|---|---|---|")
     for r in d.get("sm_copy_over_nvlink", []):

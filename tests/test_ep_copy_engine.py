@@ -53,9 +53,9 @@ def test_copy_engine_kernels_compile_with_their_ptx():
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_copy_engine_dispatch_combine_match_reference_on_two_gpus():
-    from test_ep_nvlink import DISPATCH_CASES, _worker
+    from test_ep_nvlink import DISPATCH_CASES, FP8_INPUT_CASES, _worker
 
-    cases = DISPATCH_CASES + [((5, 2), 3, False, 0)]  # and fewer tokens than chunks
+    cases = DISPATCH_CASES + [((5, 2), 3, False, 0)] + FP8_INPUT_CASES  # and fewer tokens than chunks
     mp.spawn(_worker, args=(2, free_port(), cases, "copy_engine"), nprocs=2, join=True)
 
 

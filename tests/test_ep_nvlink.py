@@ -217,8 +217,9 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
+        x_in, scales_in = quantize_1x128(xs[rank]) if quantize == "input" else (xs[rank], None)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
-            xs[rank], None, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize,
+            x_in, scales_in, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize is True,
             num_worst_tokens=worst)
         torch.cuda.synchronize()
         transport.raise_if_failed()
@@ -234,7 +235,7 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
         assert rx.size(0) == (worst if worst else n)
-        if quantize:  # the fused quantization is smsplit.fp8.quantize_1x128, bit for bit
+        if quantize:  # the fused quantization is smsplit.fp8.quantize_1x128, bit for bit; FP8 input moves as is
             ref_q, ref_s = quantize_1x128(ex)
             assert torch.equal(rx[:n].view(torch.uint8), ref_q.view(torch.uint8))
             assert torch.equal(rs[:n], ref_s)
@@ -243,6 +244,7 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         assert torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew) and torch.equal(rsrc[:n], esrc)
         if worst:
             assert (rk[n:] == -1).all() and (rw[n:] == 0).all() and (rsrc[n:] == -1).all()
+            assert (rx[n:].view(torch.uint8) == 0).all() and (rs is None or (rs[n:] == 0).all())  # zero rows
         # combine: each rank scales what it received by (rank + 1)
         y = torch.zeros(rx.size(0), H, dtype=torch.bfloat16, device=dev)
         y[:n] = (ex.float() * (rank + 1)).to(torch.bfloat16)
@@ -276,7 +278,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
 
 COMBINE_CHUNKS = [(0.4, 0.7, 0.9, 1.0), (1.0,), (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)]
 
-# Rounds of `_worker`: (tokens on each rank, top-k, quantize to FP8, num_worst_tokens); each transport's test adds its own.
+# Rounds of `_worker`: (tokens on each rank, top-k, FP8: False (BF16), True (quantized in the dispatch) or "input"
+# (x quantized before, dispatched with its scales), num_worst_tokens); each transport's test adds its own.
 DISPATCH_CASES = [
     ((300, 200), 8, False, 0),     # random top-8 with drops
     ((256, 100), 6, False, 0),     # every token to rank 0
@@ -286,13 +289,20 @@ DISPATCH_CASES = [
     ((333, 222), 4, True, 1024),   # FP8, padded
     ((512, 512), 9, False, 0),     # reuse after padding, full size
 ]
+# FP8 input (DeepEP's `dispatch((x_fp8, scales), ...)`), appended after each test's own cases: with
+# bulk="copy_engine" the first at index 8 (copy share 0: the SMs move the e4m3 rows), the second at 9 (share 1: a
+# copy engine moves them)
+FP8_INPUT_CASES = [
+    ((300, 257), 8, "input", 0),
+    ((400, 350), 8, "input", 1024),  # padded: zero rows and scales past the received ones
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     # top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be half holes, the SMs move the rows
-    cases = DISPATCH_CASES + [((512, 480), 1, False, 0)]
+    cases = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
@@ -548,17 +558,20 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             bf16 = buf.dispatch(misaligned_copy(x), **common)  # the kernels read 16-byte vectors: the Buffer realigns
             q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
             q32 = buf.dispatch(x.float() * 3.0, **common, fp8=True, dequantize=True)  # fp32 quantized in the kernel
+            qin = buf.dispatch(quantize_1x128(x * 2), **common)  # FP8 input, DeepEP's (x_fp8, scales)
             xg = x.clone().requires_grad_(True)
             recv, _, _, _, handle, _ = buf.dispatch(xg, **common)
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(misaligned_copy(bf16[0]), bf16[4], topk_weights=bf16[2])
             bf16_rows, q_rows, q32_rows = bf16[:3], (q[0][0].view(torch.uint8), q[0][1], q[1]), q32[0]
+            qin_rows = (qin[0][0].view(torch.uint8), qin[0][1], qin[1])
             if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
                 bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
                 q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
                 q32_rows = in_reference_order(q32_rows, q32[4], rank)
-            outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows)
+                qin_rows = [in_reference_order(t, qin[4], rank) for t in qin_rows]
+            outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows)
         for i, (a, b) in enumerate(zip(outs[backend], outs["reference"])):
             if isinstance(a, list):
                 assert a == b, f"seed {seed}: output {i}: {a} != {b}"
