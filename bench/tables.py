@@ -106,21 +106,22 @@ def ep():
             print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
                   f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |" + steady)
         print()
-    fp8_input = [r for r in graph_rows if "dispatch_fp8_input_graph_ms" in r]
-    if fp8_input:
-        eager = {(r["transport"], r["comm_sms"]): r.get("dispatch_fp8_input_cached_ms") for r in d["rows"]}
+    if any("dispatch_fp8_input_cached_ms" in r for r in d["rows"]):
         print("FP8 dispatch of input quantized before the call (`dispatch((x_fp8, scales), ...)`: DeepEP's benchmark "
               "condition; e4m3 rows and one fp32 scale per 128 values moved as they are), same run:\n")
         print("| transport | copy share | comm SMs | eager, cached (us) | replayed: one call / 5 queued / started "
               "together (us) |")
         print("|---|---|---|---|---|")
-        for r in fp8_input:
-            e = eager.get((r["transport"], r["comm_sms"]))
-            share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
-            print(f"| {r['transport']} | {share} | {r['comm_sms']} | {'' if e is None else f'{e * 1e3:.0f}'} | "
-                  + " / ".join(f"{r[k] * 1e3:.1f}" for k in ("dispatch_fp8_input_graph_ms",
-                                                             "dispatch_fp8_input_graph_queued_ms",
-                                                             "dispatch_fp8_input_graph_aligned_ms")) + " |")
+        for r in d["rows"]:
+            replays = [g for g in graph_rows if (g["transport"], g["comm_sms"]) == (r["transport"], r["comm_sms"])
+                       and "dispatch_fp8_input_graph_ms" in g] or [{}]
+            for g in replays:
+                share = "" if g.get("copy_share") is None else f"{g['copy_share']:g}"
+                replayed = " / ".join(f"{g[k] * 1e3:.1f}" for k in (
+                    "dispatch_fp8_input_graph_ms", "dispatch_fp8_input_graph_queued_ms",
+                    "dispatch_fp8_input_graph_aligned_ms")) if g else "(not captured)"
+                print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_fp8_input_cached_ms'] * 1e3:.0f} | "
+                      f"{replayed} |")
         print()
     print("| programs | SM copy write to peer (GB/s) | SM copy read from peer (GB/s) |")
     print("|---|---|---|")
@@ -168,6 +169,9 @@ def ep_figure(name="ep"):
                 label += ", chunks " + (chunks if chunks == "default" else ",".join(f"{f:g}" for f in chunks))
             label += ")"
             ax.plot([r["comm_sms"] for r in rows], [r[f"{key}_graph_ms"] * 1e3 for r in rows], "s-", label=label)
+            if key == "dispatch_fp8" and all("dispatch_fp8_input_graph_ms" in r for r in rows):
+                ax.plot([r["comm_sms"] for r in rows], [r["dispatch_fp8_input_graph_ms"] * 1e3 for r in rows], "^:",
+                        color=ax.lines[-1].get_color(), label=f"{transport}: FP8 input, quantized before (graph)")
         if key == "dispatch_bf16":
             ax.axhline(d["nccl_all_to_all_ms"] * 1e3, color="gray", ls=":", label="NCCL all_to_all_single (all SMs)")
             ax.axhline(d["copy_engine_ms"] * 1e3, color="black", ls=":", label="copy-engine peer copy (ceiling)")
@@ -178,8 +182,11 @@ def ep_figure(name="ep"):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("us (slower rank's median)")
     axes[0].set_ylim(0, 1000)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    legend = {}  # every panel's lines, each label once
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"EP dispatch/combine, DeepSeek-V3 shape, 2x {d['env'].get('gpu')} ({d['env']['date'][:16]})")
     fig.tight_layout(rect=(0, 0.14, 1, 1))
     out = Path(__file__).resolve().parent / "figures" / f"{name}.png"
