@@ -304,7 +304,7 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     # top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be half holes, the SMs move the rows
     cases = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
-    # the same with a copy engine moving the runs of rows (the FP8 cases quantize: the SMs move those)
+    # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: staged, then copied)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
