@@ -1,0 +1,111 @@
+"""What a user's eager `smsplit.ep.Buffer` call costs, against the transport call it makes (DeepSeek-V3 shape, 2 GPUs).
+
+`bench/ep.py` times the transports (`NvlinkTransport.dispatch`, ...) and replays them from CUDA graphs. A user calls
+`Buffer.dispatch` / `Buffer.combine` eagerly: each call first exchanges a header with every rank (the arguments are
+checked on every rank before any token moves; a host synchronization), then makes the transport call, then copies the
+received rows out of the transport's buffer. For each backend at ``--comm-sms``, one call at a time between two CUDA
+events after a barrier (median over ranks' medians, max over ranks): Buffer dispatch uncached (BF16), cached (BF16,
+FP8 quantized in the dispatch, FP8 input) and combine, and the same transport calls without the Buffer (cached
+layout). Then a host profile (cProfile) of rank 0's cached BF16 dispatch + combine through the Buffer, the functions
+with the most own time.
+
+    PYTHONPATH=src python3 bench/ep_buffer.py --backends nvlink nvlink_copy_engine copy_engine --comm-sms 20
+Writes bench/results/ep_buffer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import end_worker, join_nccl, max_over_ranks, routed_tokens, run_and_write, time_ms  # noqa: E402
+
+
+def worker(rank, world, port, args, queue):
+    dev = join_nccl(rank, world, port)
+    from smsplit.ep import Buffer
+    from smsplit.fp8 import quantize_1x128
+
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
+    xq, xs = quantize_1x128(x)
+    rows, profiles = [], {}
+
+    def timed(fn):
+        dist.barrier(device_ids=[rank])
+        return max_over_ranks(time_ms(fn, warmup=3, repeat=args.reps)["median_ms"], dev)
+
+    for backend in args.backends:
+        for P in args.comm_sms:
+            buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
+                         num_sms=P, backend=backend, timeout_s=60)
+            per_rank, _, per_expert, in_rank_b, _ = buf.get_dispatch_layout(topk, E)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank_b, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=weights)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
+            y = torch.randn(recv_x.shape, generator=g).to(dev, torch.bfloat16)
+            tr, lay = handle.nvlink_transport, handle.nvlink_layout
+            num_local = E // world
+            row = {"backend": backend, "comm_sms": P,
+                   "buffer_dispatch_bf16_ms": timed(lambda: buf.dispatch(x, **layout)),
+                   "buffer_dispatch_bf16_cached_ms": timed(lambda: buf.dispatch(x, handle=handle)),
+                   "buffer_dispatch_fp8_cached_ms": timed(lambda: buf.dispatch(x, handle=handle, fp8=True)),
+                   "buffer_dispatch_fp8_input_cached_ms": timed(lambda: buf.dispatch((xq, xs), handle=handle)),
+                   "buffer_combine_ms": timed(lambda: buf.combine(y, handle)),
+                   "transport_dispatch_bf16_cached_ms": timed(lambda: tr.dispatch(
+                       x, None, topk, weights, in_rank, num_local, cached=lay)),
+                   "transport_dispatch_fp8_cached_ms": timed(lambda: tr.dispatch(
+                       x, None, topk, weights, in_rank, num_local, quantize=True, cached=lay))}
+            tr.dispatch(x, None, topk, weights, in_rank, num_local, cached=lay)
+            row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+            torch.cuda.synchronize()
+            dist.barrier(device_ids=[rank])
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.profile_calls):
+                recv, *_ = buf.dispatch(x, handle=handle)
+                buf.combine(recv, handle)
+            torch.cuda.synchronize()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_top)
+            profiles[f"{backend}_{P}"] = text.getvalue()
+            rows.append(row)
+            if rank == 0:
+                print(f"{backend} P={P}: " + ", ".join(f"{k[:-3]} {v * 1e3:.1f} us" for k, v in row.items()
+                                                      if k.endswith("_ms")), flush=True)
+                print(f"host profile, {args.profile_calls} cached BF16 dispatches + combines through the Buffer "
+                      f"(rank 0, by own time):\n" + "\n".join(profiles[f"{backend}_{P}"].splitlines()[:args.profile_top + 12]),
+                      flush=True)
+            buf = handle = tr = None  # the next backend's buffer replaces this one
+            torch.cuda.synchronize()
+    end_worker(rank, queue, {"rows": rows, "profiles_rank0": profiles})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--comm-sms", type=int, nargs="+", default=[20])
+    parser.add_argument("--backends", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
+                        choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--profile-calls", type=int, default=20)
+    parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument("--world", type=int, default=torch.cuda.device_count())
+    run_and_write("ep_buffer", worker, parser.parse_args(),
+                  notes="one eager call between two CUDA events after a barrier, median of reps per rank, max over ranks")
+
+
+if __name__ == "__main__":
+    main()
