@@ -18,6 +18,6 @@ for round in 1 2; do
   done
 done
 PYTHONPATH=src timeout -s KILL 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_dispatch.py \
-  tests/test_ep_nvlink.py tests/test_ep_copy_engine.py tests/test_moe.py -k "nccl or equals_reference or moe" \
+  tests/test_ep_nvlink.py tests/test_ep_copy_engine.py tests/test_moe.py -k "nccl or buffer or moe" \
   > "$OUT/pytest_buffer_overhead_session19.log" 2>&1
 echo "pytest rc $?"; tail -4 "$OUT/pytest_buffer_overhead_session19.log" | cut -c1-300
