@@ -817,13 +817,14 @@ class Buffer:
     def _agree(self, op: int, headers: torch.Tensor, own_error: Optional[EPArgumentError]) -> None:
         """Every rank sees the same headers, so every rank reaches the same verdict here."""
         name = OP_NAMES[op]
-        for r in range(self.group_size):
-            if int(headers[r, H_OP]) != op or int(headers[r, H_ROUND]) != self._round:
+        rows = headers.tolist()  # Python ints: indexing the tensor costs microseconds per element
+        for r, row in enumerate(rows):
+            if row[H_OP] != op or row[H_ROUND] != self._round:
                 self.transport.failure = "ranks out of step"
-                raise EPError(f"{name}: rank {r} is in {OP_NAMES.get(int(headers[r, H_OP]), '?')} call "
-                              f"#{int(headers[r, H_ROUND])} while rank {self.rank} is in {name} call #{self._round}; "
+                raise EPError(f"{name}: rank {r} is in {OP_NAMES.get(row[H_OP], '?')} call "
+                              f"#{row[H_ROUND]} while rank {self.rank} is in {name} call #{self._round}; "
                               f"every rank must make the same Buffer calls in the same order")
-        failed = [r for r in range(self.group_size) if int(headers[r, H_STATUS]) == STATUS_TRANSPORT_FAILED]
+        failed = [r for r, row in enumerate(rows) if row[H_STATUS] == STATUS_TRANSPORT_FAILED]
         if failed:
             self.transport.failure = f"an NVLink kernel failed on rank {failed[0]}"
             own = f" (here: {self._nvlink_failure})" if self._nvlink_failure else ""
@@ -831,8 +832,8 @@ class Buffer:
                           f"buffer is unusable, make a new group and Buffer")
         if own_error is not None:
             raise own_error
-        for r in range(self.group_size):
-            status = int(headers[r, H_STATUS])
+        for r, row in enumerate(rows):
+            status = row[H_STATUS]
             if status:
                 argument = ARGUMENTS[status - 1] if status <= len(ARGUMENTS) else "arguments"
                 raise _reject(argument, f"rejected on rank {r} (that rank's error says why); {name} did not start")
@@ -847,7 +848,7 @@ class Buffer:
         if op == OP_DISPATCH:
             checks.append((H_NUM_EXPERTS, None, "num_tokens_per_expert", "num_experts"))
         for word, mask, argument, what in checks:
-            values = headers[:, word].tolist() if mask is None else (headers[:, word] & mask).tolist()
+            values = [row[word] if mask is None else row[word] & mask for row in rows]
             if len(set(values)) != 1:
                 raise _reject(argument, f"{what} differs between ranks: {values} on ranks 0..{self.group_size - 1}")
 

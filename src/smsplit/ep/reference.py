@@ -17,6 +17,8 @@ import torch.distributed as dist
 from .layout import DispatchHandle
 from .transport import EPError, EPTimeoutError, Transport
 
+SPIN_S = 0.002  # how long a wait on a non-gloo group polls before it sleeps between polls
+
 
 @dataclass
 class ReferenceLayout:
@@ -67,11 +69,15 @@ class ReferenceTransport(Transport):
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
-            else:
+            else:  # poll without sleeping for the first SPIN_S (a sleep lasts 60-150 us: longer than most
+                # exchanges take), then every 100 us
+                spin_until = time.monotonic() + SPIN_S
                 while not work.is_completed():
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now > deadline:
                         raise TimeoutError
-                    time.sleep(1e-4)
+                    if now > spin_until:
+                        time.sleep(1e-4)
                 work.wait()
         except (RuntimeError, TimeoutError) as error:
             message = f"{op}: {phase} rank {peer}"
@@ -121,6 +127,16 @@ class ReferenceTransport(Transport):
 
     def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.to(device=self.device, dtype=torch.int64).contiguous()
+        if self.backend == "nccl":  # one all-gather of every rank's rows: on NCCL a collective costs the host far
+            # less than a batch of point-to-point messages (a Buffer call exchanges headers at least once)
+            self._check_usable()
+            gathered = torch.empty(self.num_ranks, *rows.shape, dtype=torch.int64, device=self.device)
+            deadline = time.monotonic() + self.timeout_s
+            work = dist.all_gather_into_tensor(gathered, rows, group=self.group, async_op=True)
+            peers = [p for p in range(self.num_ranks) if p != self.rank]
+            if peers:
+                self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
+            return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
         width = rows.size(1)
         send = [rows[p].view(torch.uint8) for p in range(self.num_ranks)]
         recv = self._exchange(op, what, send, [width * 8] * self.num_ranks)
