@@ -596,6 +596,47 @@ def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
     mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
 
 
+def _buffer_runs_ahead_worker(rank, world, port, backend):
+    """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
+    GEMMs would be): the call waits for this rank's dispatch kernels (their status) and for the peers' headers,
+    not for the sleep, so the host has queued it before the sleep ends; its result is that of the same calls made
+    with the GPU idle."""
+    import time
+
+    from smsplit.ep import Buffer
+
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 128, 2048, 16, 4
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
+                 num_sms=8, backend=backend, timeout_s=30)
+    g = torch.Generator(device="cpu").manual_seed(7 + rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    expected_out, _, _ = buf.combine(recv, handle)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    again, *_ = buf.dispatch(x, handle=handle)
+    torch.cuda._sleep(int(1e9))  # about 0.5 s at Hopper's clocks
+    t0 = time.perf_counter()
+    out, _, _ = buf.combine(again, handle)
+    queued_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert queued_s < 0.25, f"rank {rank}: the combine took {queued_s:.3f} s on the host: it waited for the sleep"
+    assert torch.equal(again, recv) and torch.equal(out, expected_out)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])
+def test_a_buffer_combine_does_not_wait_for_work_queued_after_its_dispatch(backend):
+    mp.spawn(_buffer_runs_ahead_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+
+
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):
     """On a gloo group, Buffer(**kwargs_of_rank(rank)) must raise EPArgumentError naming `argument` on every rank."""
     from smsplit.ep import Buffer, EPArgumentError

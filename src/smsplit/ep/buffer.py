@@ -164,6 +164,7 @@ class Buffer:
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
+        self._kernels_done: Optional[torch.cuda.Event] = None  # recorded after this rank's last eager kernels
         self._round = 0
 
         header = self._header(OP_INIT)
@@ -484,7 +485,7 @@ class Buffer:
         Buffer call; waits for the current stream. Every eager call does this itself; call it after replaying
         CUDA graphs, where no host code of the buffer runs.
         """
-        failure = self._check_nvlink_kernels()
+        failure = self._check_nvlink_kernels(whole_stream=True)
         if failure:
             self._nvlink_failure = failure
             raise EPError(f"rank {self.rank}: {failure}")
@@ -576,6 +577,7 @@ class Buffer:
         out, summed_weights = handle.nvlink_transport.combine(
             _dense(x[:rows]), _dense(topk_weights[:rows]) if topk_weights is not None else None,
             handle.nvlink_layout)
+        self._kernels_launched()
         if not biases:
             return out, summed_weights
         summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
@@ -633,9 +635,18 @@ class Buffer:
                 # so that later dispatches and combines with this handle can be captured in a CUDA graph
                 transport.plan(layout, handle.is_token_in_rank)
         if not transport.returns_views:
+            self._kernels_launched()
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
+        received = clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
+        self._kernels_launched()
+        return received
+
+    def _kernels_launched(self) -> None:
+        """Mark the end of this rank's device-transport work so far: the next call's status check waits for it,
+        not for work queued on the stream after it (an expert's GEMMs between a dispatch and its combine)."""
+        if not self._capturing():
+            self._kernels_done = torch.cuda.current_stream(self.device).record_event()
 
     # -- validation ------------------------------------------------------------------------------------------
 
@@ -789,12 +800,16 @@ class Buffer:
             header[:, H_STATUS] = STATUS_TRANSPORT_FAILED
         return header
 
-    def _check_nvlink_kernels(self) -> Optional[str]:
-        """The timeout an NVLink kernel of this rank recorded since the last call, if any (waits for this
-        rank's kernels: their status word is final only when they have finished)."""
+    def _check_nvlink_kernels(self, whole_stream: bool = False) -> Optional[str]:
+        """The timeout an NVLink kernel of this rank recorded since the last call, if any. Waits for this rank's
+        last eager kernels (their status word is final only when they have finished), or with ``whole_stream``
+        for the current stream (kernels replayed from CUDA graphs)."""
         if not self._nvlink_transports:
             return None
-        torch.cuda.current_stream(self.device).synchronize()
+        if whole_stream:
+            torch.cuda.current_stream(self.device).synchronize()
+        elif self._kernels_done is not None:
+            self._kernels_done.synchronize()
         for transport in self._nvlink_transports.values():
             try:
                 transport.raise_if_failed()

@@ -57,6 +57,7 @@ class ReferenceTransport(Transport):
         self.backend = str(dist.get_backend(group)).lower()
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)]
         self.failure: Optional[str] = None
+        self._header_stream = None  # NCCL: a stream of its own for the header exchange (made at the first one)
 
     # -- messaging ----------------------------------------------------------------------------------------------
 
@@ -126,10 +127,26 @@ class ReferenceTransport(Transport):
     # -- Transport --------------------------------------------------------------------------------------------
 
     def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl":
+            return self._gather_headers(op, what, rows)
         rows = rows.to(device=self.device, dtype=torch.int64).contiguous()
-        if self.backend == "nccl":  # one all-gather of every rank's rows: on NCCL a collective costs the host far
-            # less than a batch of point-to-point messages (a Buffer call exchanges headers at least once)
-            self._check_usable()
+        width = rows.size(1)
+        send = [rows[p].view(torch.uint8) for p in range(self.num_ranks)]
+        recv = self._exchange(op, what, send, [width * 8] * self.num_ranks)
+        return torch.stack([r.view(torch.int64) for r in recv]).cpu()
+
+    def _gather_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        """`exchange_headers` on NCCL: one all-gather of every rank's rows (a collective costs the host far less
+        than a batch of point-to-point messages), on a stream of its own (``cuStreamCreate``), so that it waits
+        for no GPU work queued before it: a call's headers cross while the GPU still runs earlier work."""
+        self._check_usable()
+        if self._header_stream is None:
+            from .copy_engine import StreamOps
+
+            self._stream_ops = StreamOps(self.device)  # owns the stream: destroyed with it
+            self._header_stream = self._stream_ops.new_stream()
+        with torch.cuda.stream(self._header_stream):
+            rows = rows.to(device=self.device, dtype=torch.int64).contiguous()
             gathered = torch.empty(self.num_ranks, *rows.shape, dtype=torch.int64, device=self.device)
             deadline = time.monotonic() + self.timeout_s
             work = dist.all_gather_into_tensor(gathered, rows, group=self.group, async_op=True)
@@ -137,10 +154,6 @@ class ReferenceTransport(Transport):
             if peers:
                 self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
-        width = rows.size(1)
-        send = [rows[p].view(torch.uint8) for p in range(self.num_ranks)]
-        recv = self._exchange(op, what, send, [width * 8] * self.num_ranks)
-        return torch.stack([r.view(torch.int64) for r in recv]).cpu()
 
     def prepare(self, handle: DispatchHandle) -> None:
         prefix = handle.rank_prefix_matrix.cpu().tolist()
