@@ -194,5 +194,23 @@ def ep_figure(name="ep"):
     print(f"wrote {out}")
 
 
+def ep_buffer(*names):
+    """The eager Buffer table from bench/results/<name>.json files of `bench/ep_buffer.py` (each a labelled
+    column set: ``label=name``, or the name alone), one row per backend and file."""
+    keys = ["buffer_dispatch_bf16_ms", "buffer_dispatch_bf16_cached_ms", "buffer_dispatch_fp8_cached_ms",
+            "buffer_dispatch_fp8_input_cached_ms", "buffer_combine_ms", "transport_dispatch_bf16_cached_ms",
+            "transport_dispatch_fp8_cached_ms", "transport_combine_ms"]
+    runs = [(n.split("=", 1) if "=" in n else (n, n)) for n in (names or ["ep_buffer"])]
+    print("| backend | code, round | Buffer dispatch BF16 (us) | cached BF16 | cached FP8 (quantized in it) | cached FP8 "
+          "input | Buffer combine | transport dispatch BF16, cached | transport FP8, cached | transport combine |")
+    print("|---|---|" + "---|" * len(keys))
+    loaded = [(label, json.loads((RESULTS / f"{name}.json").read_text())) for label, name in runs]
+    for backend in dict.fromkeys(r["backend"] for _, d in loaded for r in d["rows"]):
+        for label, d in loaded:
+            for r in d["rows"]:
+                if r["backend"] == backend:
+                    print(f"| {backend} | {label} | " + " | ".join(f"{r[k] * 1e3:.0f}" for k in keys) + " |")
+
+
 if __name__ == "__main__":
-    {"sm_split": sm_split, "ep": ep, "ep-figure": ep_figure}[sys.argv[1]](*sys.argv[2:])
+    {"sm_split": sm_split, "ep": ep, "ep-figure": ep_figure, "ep-buffer": ep_buffer}[sys.argv[1]](*sys.argv[2:])

@@ -13,5 +13,6 @@ for R in 4 8; do
   timeout 300 python3 bench/pipeline.py --ranks $R 2>&1 | tee "$OUT/pipeline_${R}ranks.log" | tail -20
   cp bench/results/pipeline_${R}ranks.json bench/figures/pipeline_*_${R}ranks.png "$OUT/" 2>/dev/null
 done
+timeout 200 python3 bench/ep_buffer.py --comm-sms 20 24 2>&1 | tee "$OUT/ep_buffer_${N}gpus.log" | grep " P=" ; cp bench/results/ep_buffer.json "$OUT/ep_buffer_${N}gpus.json" 2>/dev/null
 timeout 300 python3 bench/moe_overlap.py --world $N --transports reference nvlink --comm-sms 16 24 --iters 3 2>&1 | tee "$OUT/moe_overlap_${N}ranks.log" | tail -12
 cp bench/results/moe_overlap_${N}ranks.json "$OUT/" 2>/dev/null
