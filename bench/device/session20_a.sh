@@ -11,9 +11,11 @@ reap() { pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1; }
 for round in 1 2 3; do
   for v in before after; do
     src=src; [ $v = before ] && src=variants/before/src
+    echo "=== round $round" >> "$OUT/ep_buffer_${v}_session20.log"  # one file per variant: few files come back
     PYTHONPATH=$src timeout -s KILL 90 python3 bench/ep_buffer.py --comm-sms 20 --backends nvlink nvlink_copy_engine \
-      --profile-top 10 > "$OUT/ep_buffer_${v}_${round}_session20.log" 2>&1
-    echo "$v round $round rc $?"; grep " P=20: " "$OUT/ep_buffer_${v}_${round}_session20.log" | cut -c1-420; reap
+      --profile-top 10 > /tmp/ep_buffer_run.log 2>&1
+    echo "$v round $round rc $?"; cat /tmp/ep_buffer_run.log >> "$OUT/ep_buffer_${v}_session20.log"
+    grep " P=20: " /tmp/ep_buffer_run.log | cut -c1-420; reap
   done
 done
 for v in before after; do
