@@ -135,6 +135,14 @@ def routed_tokens(rank: int, world: int, dev, tokens: int = 4096, hidden: int = 
     return x, topk_idx, topk_weights, in_rank, g
 
 
+def add_shape_arguments(parser) -> None:
+    """``--tokens --hidden --experts --topk``: the DeepSeek-V3 shape per rank that `routed_tokens` draws by default."""
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+
+
 def copy_engine_combine_inputs(rank: int, world: int, dev, num_sms: int):
     """DeepSeek-V3 shape (4096 tokens x 7168, 256 experts, top-8) on a ``bulk="copy_engine"`` `NvlinkTransport` of
     ``num_sms`` SMs: the routed inputs (`routed_tokens`), a dispatch padded to every token (``num_worst_tokens``)

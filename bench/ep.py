@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (capture_graph, end_worker, environment, interleaved_rounds, join_nccl, max_over_ranks,  # noqa: E402
-                    routed_tokens, run_ranks, time_ms, write_result)
+from common import (add_shape_arguments, capture_graph, end_worker, environment, interleaved_rounds,  # noqa: E402
+                    join_nccl, max_over_ranks, routed_tokens, run_ranks, time_ms, write_result)
 from start_together import StartTogether  # noqa: E402
 
 
@@ -373,10 +373,7 @@ def worker(rank, world, port, args, queue):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 20, 24, 32])
     parser.add_argument("--concurrent-sms", type=int, nargs="*", default=[20])
     parser.add_argument("--concurrent-rounds", type=int, default=4,

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import end_worker, join_nccl, max_over_ranks, routed_tokens, run_and_write, time_ms  # noqa: E402
+from common import (add_shape_arguments, end_worker, join_nccl, max_over_ranks, routed_tokens,  # noqa: E402
+                    run_and_write, time_ms)
 
 
 def worker(rank, world, port, args, queue):
@@ -92,10 +93,7 @@ def worker(rank, world, port, args, queue):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[20])
     parser.add_argument("--backends", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
