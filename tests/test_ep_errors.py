@@ -1,6 +1,7 @@
 """Invalid arguments raise a ValueError naming the argument on every rank, before any token moves, and the
 buffer stays usable; a peer that never arrives raises EPTimeoutError naming it and the phase, within the timeout."""
 
+import os
 import time
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from smsplit.ep import Buffer, EPArgumentError, EPError, EPTimeoutError, compute_dispatch_layout
+from smsplit.ep.host_headers import ENV_SWITCH
 from smsplit.ep.testing import gloo_pool
 
 NUM_EXPERTS, HIDDEN, TOPK = 8, 256, 3
@@ -144,9 +146,27 @@ def case_ranks_out_of_step(rank, world_size):
     assert "rank 1 is in combine" in str(caught.value) or "rank 0 is in dispatch" in str(caught.value)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_invalid_arguments_rejected_on_every_rank(world_size):
-    messages = gloo_pool(world_size).run(case_argument_errors)
+def case_through_the_group(rank, world_size, case, *args):
+    """`case` with the headers exchanged through the gloo group instead of host shared memory."""
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        return case(rank, world_size, *args)
+    finally:
+        del os.environ[ENV_SWITCH]
+
+
+def run_case(world_size, headers, case, *args):
+    if headers == "group":
+        return gloo_pool(world_size).run(case_through_the_group, case, *args)
+    return gloo_pool(world_size).run(case, *args)
+
+
+HEADER_PATHS = [(2, "shared_memory"), (4, "shared_memory"), (2, "group")]
+
+
+@pytest.mark.parametrize("world_size,headers", HEADER_PATHS)
+def test_invalid_arguments_rejected_on_every_rank(world_size, headers):
+    messages = run_case(world_size, headers, case_argument_errors)
     last = world_size - 1
     # The rank with the bad argument explains it; the others name the rank.
     assert "int32" in messages[last][0] and f"rejected on rank {last}" in messages[0][0]
@@ -154,16 +174,17 @@ def test_invalid_arguments_rejected_on_every_rank(world_size):
     assert "get_buffer_size_hint" in messages[0][-1]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_missing_peer_raises_timeout_naming_rank_and_phase(world_size):
-    elapsed = gloo_pool(world_size).run(case_peer_never_arrives, 1.5)
+@pytest.mark.parametrize("world_size,headers", HEADER_PATHS)
+def test_missing_peer_raises_timeout_naming_rank_and_phase(world_size, headers):
+    elapsed = run_case(world_size, headers, case_peer_never_arrives, 1.5)
     waited = [e for e in elapsed if e is not None]
     assert len(waited) == world_size - 1
     assert all(1.4 <= e < 6.0 for e in waited), waited
 
 
-def test_ranks_calling_different_operations_raise():
-    gloo_pool(2).run(case_ranks_out_of_step)
+@pytest.mark.parametrize("headers", ["shared_memory", "group"])
+def test_ranks_calling_different_operations_raise(headers):
+    run_case(2, headers, case_ranks_out_of_step)
 
 
 def test_local_argument_errors_need_no_group():

@@ -4,6 +4,8 @@ It is what CPU-only machines and CI run, and the oracle for the GPU transports. 
 peer (the rows for that peer packed into bytes) and waits for each peer separately, so a missing peer is named.
 Waits are bounded by `timeout_s`: gloo waits with a timeout, other backends poll `work.is_completed()`. After a
 timeout the group's connection to that peer may be closed (gloo closes it), so the transport refuses further use.
+The headers (the few int64 rows every `Buffer` call exchanges first) go through host shared memory where every rank
+is on this machine (`smsplit.ep.host_headers`; ``SMSPLIT_EP_HOST_HEADERS=0`` turns that off), else through the group.
 """
 
 import datetime
@@ -14,6 +16,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .host_headers import HostHeaders, enabled_by_environment
 from .layout import DispatchHandle
 from .transport import EPError, EPTimeoutError, Transport
 
@@ -58,6 +61,9 @@ class ReferenceTransport(Transport):
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_ranks)]
         self.failure: Optional[str] = None
         self._header_stream = None  # NCCL: a stream of its own for the header exchange (made at the first one)
+        # Headers through host shared memory where every rank is on this machine (set up at the first exchange,
+        # False where it cannot be), else through the group.
+        self._host_headers = None if enabled_by_environment() else False
 
     # -- messaging ----------------------------------------------------------------------------------------------
 
@@ -127,6 +133,23 @@ class ReferenceTransport(Transport):
     # -- Transport --------------------------------------------------------------------------------------------
 
     def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        self._check_usable()
+        if self._host_headers is None:  # the first exchange, made by every rank: set up the shared file
+            self._host_headers = HostHeaders.connect(
+                self.rank, self.num_ranks, lambda w, r: self._group_headers(op, w, r)) or False
+        if self._host_headers and self._host_headers.fits(rows):
+            try:
+                return self._host_headers.exchange(op, what, rows.cpu(), self.timeout_s)
+            except EPTimeoutError as error:
+                self.failure = error.phase
+                raise
+            except EPError:
+                self.failure = "ranks out of step"
+                raise
+        return self._group_headers(op, what, rows)
+
+    def _group_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
+        """`exchange_headers` through the process group."""
         if self.backend == "nccl":
             return self._gather_headers(op, what, rows)
         rows = rows.to(device=self.device, dtype=torch.int64).contiguous()

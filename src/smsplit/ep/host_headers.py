@@ -1,0 +1,187 @@
+"""The header exchange through host shared memory, for ranks on one machine.
+
+Every `Buffer` call starts with a small exchange of int64 rows between all ranks (arguments, counts, status).
+Through NCCL that is a collective launch, two copies between host and device and a wait on a stream; ranks of one
+machine can meet in a file in ``/dev/shm`` that every rank maps instead: each rank writes its rows into a slot of
+its own and reads its peers' slots. No GPU work, no stream, a few microseconds when the ranks arrive together.
+
+Each rank owns two slots, used in alternate rounds: ``[round, words, crc32, payload...]``. In round n a rank writes
+its payload into slot n % 2, then the crc and the round word; a peer takes the payload once the round word says n
+and the crc matches (the crc guards against seeing the round word before the payload on hosts that reorder
+stores). A rank rewrites slot n % 2 in round n + 2 at the earliest, which it reaches only after reading every
+peer's round n + 1 payload, which each peer writes only after it has read round n: a slot is never rewritten while
+a peer still reads it.
+
+The file is created by rank 0 and removed from ``/dev/shm`` as soon as every rank has mapped it (the mappings stay
+valid), so nothing is left behind when a process dies.
+"""
+
+import mmap
+import os
+import secrets
+import time
+import zlib
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .transport import EPError, EPTimeoutError
+
+SHM_DIR = "/dev/shm"
+MAX_WORDS = 1 << 16  # payload capacity of a slot in int64 words (512 KiB; pages are touched only as used)
+SLOT_HEAD = 3  # round, words, crc32
+SPIN_S = 0.002  # how long a wait polls without sleeping before it sleeps 100 us between polls
+ENV_SWITCH = "SMSPLIT_EP_HOST_HEADERS"  # "0": exchange headers through the process group instead
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+class HostHeaders:
+    """
+    Rows exchanged through a shared file mapped by every rank of a group on one machine.
+
+    Made by `connect`, which every rank of the group calls together; `exchange` is then called by every rank in
+    the same order, like a collective.
+    """
+
+    def __init__(self, rank: int, num_ranks: int, mapping: mmap.mmap) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self._mapping = mapping
+        self._words = np.frombuffer(mapping, dtype=np.int64)
+        self._slot_words = SLOT_HEAD + MAX_WORDS
+        self._round = 0
+
+    @staticmethod
+    def file_bytes(num_ranks: int) -> int:
+        return 2 * num_ranks * (SLOT_HEAD + MAX_WORDS) * 8
+
+    @classmethod
+    def connect(cls, rank: int, num_ranks: int, gather: Callable[[str, torch.Tensor], torch.Tensor]) \
+            -> Optional["HostHeaders"]:
+        """
+        Set up the shared file, or return None where the ranks cannot share one (other machines, no ``/dev/shm``,
+        another user). Collective: every rank calls it with the same `gather`.
+
+        Arguments:
+            gather: `gather(what, rows)`: the group's own header exchange (`[num_ranks, width]` int64 rows, row p
+                to rank p; returns row q from rank q). Called twice.
+        """
+        token, path, fd = 0, None, -1
+        if rank == 0:
+            token = secrets.randbits(62) | 1
+            path = _path(os.getpid(), token)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.ftruncate(fd, cls.file_bytes(num_ranks))
+            except OSError:
+                token = 0
+        first = gather("the shared header file's name", torch.tensor([[os.getpid(), token]] * num_ranks))
+        owner_pid, token = int(first[0, 0]), int(first[0, 1])
+        mapping = None
+        try:
+            if token:
+                if rank != 0:
+                    path = _path(owner_pid, token)
+                    fd = os.open(path, os.O_RDWR)
+                if os.fstat(fd).st_size == cls.file_bytes(num_ranks):
+                    mapping = mmap.mmap(fd, cls.file_bytes(num_ranks))
+        except OSError:
+            mapping = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        second = gather("whether each rank mapped the shared header file",
+                        torch.tensor([[int(mapping is not None)]] * num_ranks))
+        if rank == 0 and path is not None and token:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if not all(int(v) for v in second[:, 0].tolist()):
+            if mapping is not None:
+                mapping.close()
+            return None
+        return cls(rank, num_ranks, mapping)
+
+    def fits(self, rows: torch.Tensor) -> bool:
+        return rows.numel() <= MAX_WORDS
+
+    def exchange(self, op: str, what: str, rows: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """
+        `Transport.exchange_headers` through the file: `rows` is `[num_ranks, width]` int64 (row p for rank p);
+        returns `[num_ranks, width]` int64, row q from rank q.
+
+        Raises:
+            EPTimeoutError: a peer did not write its rows within `timeout_s` (the first such peer is named).
+            EPError: a peer wrote a different number of words (the ranks make different calls).
+        """
+        self._round += 1
+        n = self._round
+        payload = np.ascontiguousarray(rows.to(torch.int64).numpy()).reshape(-1)
+        words = payload.size
+        own = self._slot(self.rank, n)
+        self._words[own + SLOT_HEAD:own + SLOT_HEAD + words] = payload
+        self._words[own + 1] = words
+        self._words[own + 2] = _crc(payload, n)
+        self._words[own] = n
+
+        width = rows.size(1)
+        out = torch.empty(self.num_ranks, width, dtype=torch.int64)
+        out[self.rank] = rows[self.rank]
+        waiting = [q for q in range(self.num_ranks) if q != self.rank]
+        deadline = time.monotonic() + timeout_s
+        spin_until = time.monotonic() + SPIN_S
+        while waiting:
+            still = []
+            for q in waiting:
+                got = self._read(q, n, words, op, what)
+                if got is None:
+                    still.append(q)
+                else:
+                    out[q] = torch.from_numpy(got.reshape(self.num_ranks, width)[self.rank])
+            waiting = still
+            if not waiting:
+                break
+            now = time.monotonic()
+            if now > deadline:
+                phase = f"{op}: waiting for {what} from rank {waiting[0]}"
+                raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
+            if now > spin_until:
+                time.sleep(1e-4)
+            else:
+                os.sched_yield()
+        return out
+
+    def close(self) -> None:
+        self._words = None
+        self._mapping.close()
+
+    def _slot(self, rank: int, n: int) -> int:
+        return ((n % 2) * self.num_ranks + rank) * self._slot_words
+
+    def _read(self, q: int, n: int, words: int, op: str, what: str) -> Optional[np.ndarray]:
+        slot = self._slot(q, n)
+        if int(self._words[slot]) != n:
+            return None
+        sent = int(self._words[slot + 1])
+        if not 0 <= sent <= MAX_WORDS:
+            return None  # not all of the slot's stores are visible yet
+        payload = self._words[slot + SLOT_HEAD:slot + SLOT_HEAD + sent].copy()
+        if _crc(payload, n) != int(self._words[slot + 2]):
+            return None
+        if sent != words:
+            raise EPError(f"{op}: rank {q} sent {sent} words of {what} where rank {self.rank} sent {words}; every "
+                          f"rank must make the same Buffer calls in the same order")
+        return payload
+
+
+def _crc(payload: np.ndarray, n: int) -> int:
+    return zlib.crc32(payload.tobytes(), (n * 0x9E3779B1 + payload.size) & 0xFFFFFFFF)
+
+
+def _path(pid: int, token: int) -> str:
+    return os.path.join(SHM_DIR, f"smsplit-ep-{pid}-{token:x}")
