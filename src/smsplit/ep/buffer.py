@@ -627,6 +627,7 @@ class Buffer:
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
             num_local_experts, quantize=quantize,
             num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
+        self._kernels_launched()  # before the copies below: the next call's status check need not wait for them
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
@@ -635,12 +636,9 @@ class Buffer:
                 # so that later dispatches and combines with this handle can be captured in a CUDA graph
                 transport.plan(layout, handle.is_token_in_rank)
         if not transport.returns_views:
-            self._kernels_launched()
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        received = clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
-        self._kernels_launched()
-        return received
+        return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
 
     def _kernels_launched(self) -> None:
         """Mark the end of this rank's device-transport work so far: the next call's status check waits for it,

@@ -153,7 +153,7 @@ class HostHeaders:
             if now > spin_until:
                 time.sleep(1e-4)
             else:
-                os.sched_yield()
+                _yield()
         return out
 
     def close(self) -> None:
@@ -181,6 +181,9 @@ class HostHeaders:
 
 def _crc(payload: np.ndarray, n: int) -> int:
     return zlib.crc32(payload.tobytes(), (n * 0x9E3779B1 + payload.size) & 0xFFFFFFFF)
+
+
+_yield = getattr(os, "sched_yield", lambda: None)  # give the core to a peer process between polls
 
 
 def _path(pid: int, token: int) -> str:

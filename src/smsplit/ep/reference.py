@@ -125,10 +125,13 @@ class ReferenceTransport(Transport):
                 phase = f"waiting for {what} from" if kind == "recv" else f"waiting to deliver {what} to"
                 self._wait(works[i], op, phase, peer, deadline)
         else:  # a coalesced backend (NCCL) returns one work for the whole batch
-            peers = sorted({peer for _, peer in kinds})
             for work in works:
-                self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
+                self._wait_any(work, op, what, sorted({peer for _, peer in kinds}), deadline)
         return recv
+
+    def _wait_any(self, work, op: str, what: str, peers: List[int], deadline: float) -> None:
+        """`_wait` for one work that covers several peers (a coalesced batch, a collective): names the first."""
+        self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
 
     # -- Transport --------------------------------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class ReferenceTransport(Transport):
             work = dist.all_gather_into_tensor(gathered, rows, group=self.group, async_op=True)
             peers = [p for p in range(self.num_ranks) if p != self.rank]
             if peers:
-                self._wait(work, op, f"waiting for {what} from one of ranks {peers}, e.g.", peers[0], deadline)
+                self._wait_any(work, op, what, peers, deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
 
     def prepare(self, handle: DispatchHandle) -> None:
