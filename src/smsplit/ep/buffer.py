@@ -376,7 +376,8 @@ class Buffer:
                 if 0 < worst < recv_per_rank[q]:
                     raise _reject("num_worst_tokens", f"rank {q} receives {recv_per_rank[q]} tokens but its "
                                                       f"num_worst_tokens is {worst}")
-            per_expert = num_tokens_per_expert.view(self.group_size, num_local_experts).cpu()
+            per_expert = torch.tensor(spec["host_layout"]["num_tokens_per_expert"]).view(self.group_size,
+                                                                                         num_local_experts)
             recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0)
             handle = DispatchHandle(
                 buffer_id=id(self), rank=self.rank, num_ranks=self.group_size,
@@ -385,7 +386,7 @@ class Buffer:
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
                 num_recv_tokens=recv_per_rank[self.rank], num_worst_tokens=num_worst_tokens,
                 num_local_experts=num_local_experts)
-            self.transport.prepare(handle)
+            # (the reference transport's own plan of the layout is made when it first moves data with it)
 
         if use_nvlink:
             recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
@@ -654,7 +655,7 @@ class Buffer:
         if topk_idx.size(1) < 1:
             raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
         if values and topk_idx.numel():
-            low, high = int(topk_idx.min()), int(topk_idx.max())
+            low, high = torch.stack(torch.aminmax(topk_idx)).tolist()  # one copy to the host
             if low < -1 or high >= num_experts:
                 raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
                                           f"got values in [{low}, {high}]")
@@ -699,6 +700,7 @@ class Buffer:
             raise _reject("num_tokens_per_rdma_rank", "must be None: this buffer is intranode only")
 
         num_experts = 0
+        host_layout = None
         if handle is not None:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
                 raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
@@ -719,15 +721,16 @@ class Buffer:
             _check_tensor("is_token_in_rank", is_token_in_rank, self.device, (torch.bool,), (num_tokens, num_ranks))
             _check_tensor("num_tokens_per_rank", num_tokens_per_rank, self.device, (torch.int32, torch.int64),
                           (num_ranks,))
-            if check_values and not torch.equal(num_tokens_per_rank.long(), is_token_in_rank.sum(0)):
-                raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
             if topk_idx is not None:
-                self._check_topk_idx(topk_idx, num_tokens, num_experts, check_values)
+                self._check_topk_idx(topk_idx, num_tokens, num_experts, values=False)
                 if topk_weights is not None:
                     _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,),
                                   (num_tokens, topk_idx.size(1)))
             elif topk_weights is not None:
                 raise _reject("topk_weights", "needs topk_idx")
+            if check_values:
+                host_layout = self._layout_on_host(num_tokens_per_rank, is_token_in_rank, topk_idx,
+                                                   num_tokens_per_expert, num_experts)
 
         num_topk = topk_idx.size(1) if topk_idx is not None else (
             topk_weights.size(1) if topk_weights is not None else 0)
@@ -755,8 +758,27 @@ class Buffer:
         flags = (FLAG_SCALES * (fp8 or scales is not None) + FLAG_TOPK_IDX * (topk_idx is not None)
                  + FLAG_TOPK_WEIGHTS * (topk_weights is not None) + FLAG_CACHED * (handle is not None))
         return dict(values=values, scales=scales, num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
-                    num_topk=num_topk, flags=flags, num_worst_tokens=num_worst_tokens,
-                    num_tokens_per_rank=num_tokens_per_rank)
+                    num_topk=num_topk, flags=flags, num_worst_tokens=num_worst_tokens, host_layout=host_layout)
+
+    def _layout_on_host(self, num_tokens_per_rank, is_token_in_rank, topk_idx, num_tokens_per_expert,
+                        num_experts: int) -> dict:
+        """Check the values of an uncached dispatch's layout tensors; return the counts as Python lists. One copy
+        to the host (one synchronization) for all of them."""
+        num_ranks = self.group_size
+        parts = [num_tokens_per_rank.long(), is_token_in_rank.sum(0), num_tokens_per_expert.long()]
+        if topk_idx is not None and topk_idx.numel():
+            parts.append(torch.stack(torch.aminmax(topk_idx)))
+        values = torch.cat(parts).tolist()
+        per_rank, in_rank = values[:num_ranks], values[num_ranks:2 * num_ranks]
+        per_expert = values[2 * num_ranks:2 * num_ranks + num_experts]
+        if per_rank != in_rank:
+            raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
+        if len(values) > 2 * num_ranks + num_experts:
+            low, high = values[-2:]
+            if low < -1 or high >= num_experts:
+                raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
+                                          f"got values in [{low}, {high}]")
+        return dict(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
 
     def _check_combine(self, x, handle, topk_weights, bias, previous_event, internal) -> Tuple[torch.Tensor, ...]:
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
@@ -824,8 +846,8 @@ class Buffer:
         header[:, H_NUM_TOPK] = spec["num_topk"]
         header[:, H_FLAGS] = spec["flags"]
         header[:, H_NUM_WORST] = spec["num_worst_tokens"]
-        if spec["num_tokens_per_rank"] is not None and not spec["flags"] & FLAG_CACHED:
-            header[:, HEADER_WORDS:] = spec["num_tokens_per_rank"].cpu().to(torch.int64)
+        if spec["host_layout"] is not None:
+            header[:, HEADER_WORDS:] = torch.tensor(spec["host_layout"]["num_tokens_per_rank"], dtype=torch.int64)
 
     def _agree(self, op: int, headers: torch.Tensor, own_error: Optional[EPArgumentError]) -> None:
         """Every rank sees the same headers, so every rank reaches the same verdict here."""

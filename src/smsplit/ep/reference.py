@@ -193,8 +193,15 @@ class ReferenceTransport(Transport):
             recv_counts=recv_counts,
             recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
 
+    def _layout(self, handle: DispatchHandle) -> ReferenceLayout:
+        """The handle's plan for this transport, made at its first use (a layout the NVLink kernels move never
+        needs it)."""
+        if not isinstance(handle.transport_state, ReferenceLayout):
+            self.prepare(handle)
+        return handle.transport_state
+
     def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
-        layout: ReferenceLayout = handle.transport_state
+        layout = self._layout(handle)
         widths = [_inner_numel(f) * f.element_size() for f in fields]
         row_bytes = sum(widths)
         send = [pack_rows([f[idx] for f in fields]).flatten() for idx in layout.send_token_idx]
@@ -213,7 +220,7 @@ class ReferenceTransport(Transport):
 
     def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
             -> List[Optional[torch.Tensor]]:
-        layout: ReferenceLayout = handle.transport_state
+        layout = self._layout(handle)
         present = [f for f in fields if f is not None]
         widths = [_inner_numel(f) * f.element_size() for f in present]
         row_bytes = sum(widths)
