@@ -46,14 +46,18 @@ def case_rows_arrive(rank, world_size):
 def case_switched_off_or_unmappable(rank, world_size, how):
     if how == "environment":
         os.environ[host_headers.ENV_SWITCH] = "0"
-    elif rank == world_size - 1:
+    elif how == "unmappable" and rank == world_size - 1:
         host_headers.SHM_DIR = "/nonexistent-smsplit"  # this rank cannot open rank 0's file
+    elif how == "uncreatable" and rank == 0:
+        host_headers.SHM_DIR = "/nonexistent-smsplit"  # rank 0 cannot create the file
     try:
         transport = new_transport()
         for i in range(4):
             got = transport.exchange_headers("test", "rows", rows_sent(rank, world_size, i, 3))
             assert torch.equal(got, torch.stack([rows_sent(q, world_size, i, 3)[rank] for q in range(world_size)]))
         assert transport._host_headers is False
+        dist.barrier()
+        return os.getpid()
     finally:
         os.environ.pop(host_headers.ENV_SWITCH, None)
         host_headers.SHM_DIR = "/dev/shm"
@@ -92,9 +96,10 @@ def test_rows_arrive_through_shared_memory_and_leave_no_file(world_size):
     assert not glob.glob(os.path.join("/dev/shm", f"smsplit-ep-{pids[0]}-*"))
 
 
-@pytest.mark.parametrize("how", ["environment", "unmappable"])
+@pytest.mark.parametrize("how", ["environment", "unmappable", "uncreatable"])
 def test_falls_back_to_the_group(how):
-    gloo_pool(2).run(case_switched_off_or_unmappable, how)
+    pids = gloo_pool(2).run(case_switched_off_or_unmappable, how)
+    assert not glob.glob(os.path.join("/dev/shm", f"smsplit-ep-{pids[0]}-*"))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -70,37 +70,42 @@ class HostHeaders:
             gather: `gather(what, rows)`: the group's own header exchange (`[num_ranks, width]` int64 rows, row p
                 to rank p; returns row q from rank q). Called twice.
         """
-        token, path, fd = 0, None, -1
+        token, fd, created = 0, -1, None
         if rank == 0:
             token = secrets.randbits(62) | 1
-            path = _path(os.getpid(), token)
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                fd = os.open(_path(os.getpid(), token), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created = _path(os.getpid(), token)
                 os.ftruncate(fd, cls.file_bytes(num_ranks))
             except OSError:
                 token = 0
-        first = gather("the shared header file's name", torch.tensor([[os.getpid(), token]] * num_ranks))
-        owner_pid, token = int(first[0, 0]), int(first[0, 1])
         mapping = None
         try:
-            if token:
-                if rank != 0:
-                    path = _path(owner_pid, token)
-                    fd = os.open(path, os.O_RDWR)
-                if os.fstat(fd).st_size == cls.file_bytes(num_ranks):
-                    mapping = mmap.mmap(fd, cls.file_bytes(num_ranks))
-        except OSError:
-            mapping = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        second = gather("whether each rank mapped the shared header file",
-                        torch.tensor([[int(mapping is not None)]] * num_ranks))
-        if rank == 0 and path is not None and token:
+            first = gather("the shared header file's name", torch.tensor([[os.getpid(), token]] * num_ranks))
+            owner_pid, token = int(first[0, 0]), int(first[0, 1])
             try:
-                os.unlink(path)
+                if token:
+                    if rank != 0:
+                        fd = os.open(_path(owner_pid, token), os.O_RDWR)
+                    if os.fstat(fd).st_size == cls.file_bytes(num_ranks):
+                        mapping = mmap.mmap(fd, cls.file_bytes(num_ranks))
             except OSError:
-                pass
+                mapping = None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            second = gather("whether each rank mapped the shared header file",
+                            torch.tensor([[int(mapping is not None)]] * num_ranks))
+        except BaseException:
+            if mapping is not None:
+                mapping.close()
+            raise
+        finally:
+            if created is not None:  # every rank has mapped it or given up: nothing is left in /dev/shm
+                try:
+                    os.unlink(created)
+                except OSError:
+                    pass
         if not all(int(v) for v in second[:, 0].tolist()):
             if mapping is not None:
                 mapping.close()
