@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
-from .transport import EPTimeoutError
+from .transport import EPTimeoutError, poll_until
 
 
 class StreamOps:
@@ -401,7 +402,11 @@ class CopyEngineTransport:
         chunk_of = torch.arange(T, device=self.device) // chunk
         per_chunk = torch.zeros(NC, R, dtype=torch.int64, device=self.device).index_add_(0, chunk_of, in_rank.long())
         gathered = torch.empty(R, NC, R, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(gathered, per_chunk, group=self.group)
+        work = dist.all_gather_into_tensor(gathered, per_chunk, group=self.group, async_op=True)
+        if not poll_until(work.is_completed, time.monotonic() + self.timeout_s):
+            peer = (self.rank + 1) % R
+            what = f"layout: waiting for the per-chunk counts of one of ranks {[p for p in range(R) if p != self.rank]}"
+            raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
         counts = gathered.cpu().numpy()
         totals = counts.sum(axis=(0, 1))  # rows each rank receives
         if num_worst_tokens and int(totals.max()) > num_worst_tokens:

@@ -26,12 +26,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .transport import EPError, EPTimeoutError
+from .transport import EPError, EPTimeoutError, poll_until
 
 SHM_DIR = "/dev/shm"
 MAX_WORDS = 1 << 16  # payload capacity of a slot in int64 words (512 KiB; pages are touched only as used)
 SLOT_HEAD = 3  # round, words, crc32
-SPIN_S = 0.002  # how long a wait polls without sleeping before it sleeps 100 us between polls
 ENV_SWITCH = "SMSPLIT_EP_HOST_HEADERS"  # "0": exchange headers through the process group instead
 
 
@@ -138,27 +137,18 @@ class HostHeaders:
         out = torch.empty(self.num_ranks, width, dtype=torch.int64)
         out[self.rank] = rows[self.rank]
         waiting = [q for q in range(self.num_ranks) if q != self.rank]
-        deadline = time.monotonic() + timeout_s
-        spin_until = time.monotonic() + SPIN_S
-        while waiting:
-            still = []
-            for q in waiting:
+
+        def arrived() -> bool:
+            for q in list(waiting):
                 got = self._read(q, n, words, op, what)
-                if got is None:
-                    still.append(q)
-                else:
+                if got is not None:
                     out[q] = torch.from_numpy(got.reshape(self.num_ranks, width)[self.rank])
-            waiting = still
-            if not waiting:
-                break
-            now = time.monotonic()
-            if now > deadline:
-                phase = f"{op}: waiting for {what} from rank {waiting[0]}"
-                raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
-            if now > spin_until:
-                time.sleep(1e-4)
-            else:
-                _yield()
+                    waiting.remove(q)
+            return not waiting
+
+        if not poll_until(arrived, time.monotonic() + timeout_s):
+            phase = f"{op}: waiting for {what} from rank {waiting[0]}"
+            raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
         return out
 
     def close(self) -> None:
@@ -186,9 +176,6 @@ class HostHeaders:
 
 def _crc(payload: np.ndarray, n: int) -> int:
     return zlib.crc32(payload.tobytes(), (n * 0x9E3779B1 + payload.size) & 0xFFFFFFFF)
-
-
-_yield = getattr(os, "sched_yield", lambda: None)  # give the core to a peer process between polls
 
 
 def _path(pid: int, token: int) -> str:

@@ -18,9 +18,7 @@ import torch.distributed as dist
 
 from .host_headers import HostHeaders, enabled_by_environment
 from .layout import DispatchHandle
-from .transport import EPError, EPTimeoutError, Transport
-
-SPIN_S = 0.002  # how long a wait on a non-gloo group polls before it sleeps between polls
+from .transport import EPError, EPTimeoutError, Transport, poll_until
 
 
 @dataclass
@@ -76,15 +74,9 @@ class ReferenceTransport(Transport):
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
-            else:  # poll without sleeping for the first SPIN_S (a sleep lasts 60-150 us: longer than most
-                # exchanges take), then every 100 us
-                spin_until = time.monotonic() + SPIN_S
-                while not work.is_completed():
-                    now = time.monotonic()
-                    if now > deadline:
-                        raise TimeoutError
-                    if now > spin_until:
-                        time.sleep(1e-4)
+            else:
+                if not poll_until(work.is_completed, deadline):
+                    raise TimeoutError
                 work.wait()
         except (RuntimeError, TimeoutError) as error:
             message = f"{op}: {phase} rank {peer}"

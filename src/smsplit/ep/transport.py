@@ -13,7 +13,9 @@ for `backend="nvlink"`, keeping the reference transport for the host-side header
 4. `combine`: the reverse, summing in fp32 the copies that return to each token.
 """
 
-from typing import List, Optional
+import os
+import time
+from typing import Callable, List, Optional
 
 import torch
 
@@ -116,3 +118,22 @@ class Transport:
             that the ranks it was dispatched to sent back; zero for tokens dispatched nowhere.
         """
         raise NotImplementedError
+
+
+SPIN_S = 0.002  # how long a host wait polls without sleeping (a sleep lasts 60-150 us: longer than most waits)
+_yield = getattr(os, "sched_yield", lambda: None)  # give the core to a peer process between polls
+
+
+def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
+    """Call `ready()` until it returns True (then True) or `time.monotonic()` passes `deadline` (then False): without
+    sleeping for the first `SPIN_S`, then every 100 us."""
+    spin_until = time.monotonic() + SPIN_S
+    while not ready():
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if now > spin_until:
+            time.sleep(1e-4)
+        else:
+            _yield()
+    return True
