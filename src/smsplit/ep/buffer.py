@@ -74,6 +74,13 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
 
 
+def _check_expert_range(low: int, high: int, num_experts: int) -> None:
+    """The smallest and largest top-k ids must lie in [-1, num_experts)."""
+    if low < -1 or high >= num_experts:
+        raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
+                                  f"got values in [{low}, {high}]")
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the device kernels read it: contiguous, rows indexed densely, and 16-byte aligned (their 16-byte
     vector accesses fault on a view that starts mid-vector; such a view is copied)."""
@@ -655,10 +662,7 @@ class Buffer:
         if topk_idx.size(1) < 1:
             raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
         if values and topk_idx.numel():
-            low, high = torch.stack(torch.aminmax(topk_idx)).tolist()  # one copy to the host
-            if low < -1 or high >= num_experts:
-                raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
-                                          f"got values in [{low}, {high}]")
+            _check_expert_range(*torch.stack(torch.aminmax(topk_idx)).tolist(), num_experts)  # one copy to the host
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -774,10 +778,7 @@ class Buffer:
         if per_rank != in_rank:
             raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
         if len(values) > 2 * num_ranks + num_experts:
-            low, high = values[-2:]
-            if low < -1 or high >= num_experts:
-                raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
-                                          f"got values in [{low}, {high}]")
+            _check_expert_range(*values[-2:], num_experts)
         return dict(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
 
     def _check_combine(self, x, handle, topk_weights, bias, previous_event, internal) -> Tuple[torch.Tensor, ...]:

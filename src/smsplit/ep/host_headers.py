@@ -151,10 +151,6 @@ class HostHeaders:
             raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
         return out
 
-    def close(self) -> None:
-        self._words = None
-        self._mapping.close()
-
     def _slot(self, rank: int, n: int) -> int:
         return ((n % 2) * self.num_ranks + rank) * self._slot_words
 
