@@ -6,8 +6,9 @@ checked on every rank before any token moves; a host synchronization), then make
 received rows out of the transport's buffer. For each backend at ``--comm-sms``, one call at a time between two CUDA
 events after a barrier (median over ranks' medians, max over ranks): Buffer dispatch uncached (BF16), cached (BF16,
 FP8 quantized in the dispatch, FP8 input) and combine, and the same transport calls without the Buffer (cached
-layout). Then a host profile (cProfile) of rank 0's cached BF16 dispatch + combine through the Buffer, the functions
-with the most own time.
+layout). Then the same calls queued back to back, as DeepEP's benchmark times its calls (``--queued`` calls between
+two CUDA events, divided: the host may run ahead of the GPU). Then a host profile (cProfile) of rank 0's cached BF16
+dispatch + combine through the Buffer, the functions with the most own time.
 
     PYTHONPATH=src python3 bench/ep_buffer.py --backends nvlink nvlink_copy_engine copy_engine --comm-sms 20
 Writes bench/results/ep_buffer.json.
@@ -40,9 +41,9 @@ def worker(rank, world, port, args, queue):
     xq, xs = quantize_1x128(x)
     rows, profiles = [], {}
 
-    def timed(fn):
+    def timed(fn, inner=1):
         dist.barrier(device_ids=[rank])
-        return max_over_ranks(time_ms(fn, warmup=3, repeat=args.reps)["median_ms"], dev)
+        return max_over_ranks(time_ms(fn, warmup=3, repeat=args.reps, inner=inner)["median_ms"], dev)
 
     for backend in args.backends:
         for P in args.comm_sms:
@@ -67,6 +68,16 @@ def worker(rank, world, port, args, queue):
                        x, None, topk, weights, in_rank, num_local, quantize=True, cached=lay))}
             tr.dispatch(x, None, topk, weights, in_rank, num_local, cached=lay)
             row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+            if args.queued > 1:
+                row.update({
+                    "buffer_dispatch_bf16_cached_queued_ms": timed(lambda: buf.dispatch(x, handle=handle), args.queued),
+                    "buffer_dispatch_fp8_cached_queued_ms": timed(lambda: buf.dispatch(x, handle=handle, fp8=True),
+                                                                  args.queued),
+                    "buffer_combine_queued_ms": timed(lambda: buf.combine(y, handle), args.queued),
+                    "transport_dispatch_bf16_cached_queued_ms": timed(lambda: tr.dispatch(
+                        x, None, topk, weights, in_rank, num_local, cached=lay), args.queued)})
+                tr.dispatch(x, None, topk, weights, in_rank, num_local, cached=lay)
+                row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay), args.queued)
             torch.cuda.synchronize()
             dist.barrier(device_ids=[rank])
             profiler = cProfile.Profile()
@@ -98,11 +109,14 @@ def main():
     parser.add_argument("--backends", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--queued", type=int, default=10,
+                        help="calls queued back to back per timed run in the queued columns (1: none)")
     parser.add_argument("--profile-calls", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     run_and_write("ep_buffer", worker, parser.parse_args(),
-                  notes="one eager call between two CUDA events after a barrier, median of reps per rank, max over ranks")
+                  notes="one eager call between two CUDA events after a barrier, median of reps per rank, max over ranks; "
+                         "*_queued_ms: --queued calls back to back between two events, divided")
 
 
 if __name__ == "__main__":
