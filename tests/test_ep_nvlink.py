@@ -657,6 +657,11 @@ def _buffer_kernel_timeout_worker(rank, world, port, backend):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
     recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                             num_tokens_per_expert=per_expert, topk_idx=topk)
+    # every kernel compiled and every copy plan made before the sleep: a first launch loads a module, and a plan
+    # reads the layout, both waiting for the GPU (a host held up past timeout_s fails the header exchange instead)
+    buf.combine(recv, handle)
+    buf.dispatch(x, handle=handle)
+    buf.combine(recv, handle)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
     if rank == 1:
