@@ -3,7 +3,7 @@
 # and making every copy plan before rank 1's GPU sleeps (in session21_d.sh rank 1's host was held up by them past
 # timeout_s=1 and rank 0's header exchange timed out instead).
 # As run: the nvlink case passed; the nvlink_copy_engine case did not end within 150 s (killed; the log has one
-# dot): its copy stream waited without bound (BENCHMARKS.md, session 21). The device budget was spent.
+# dot): most likely a copy stream waiting without bound (BENCHMARKS.md, session 21). The device budget was spent.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
