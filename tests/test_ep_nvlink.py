@@ -598,9 +598,9 @@ def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
 
 def _buffer_runs_ahead_worker(rank, world, port, backend):
     """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
-    GEMMs would be): the call waits for this rank's dispatch kernels (their status) and for the peers' headers,
-    not for the sleep, so the host has queued it before the sleep ends; its result is that of the same calls made
-    with the GPU idle."""
+    GEMMs would be): the call waits for the peers' headers and (copy-engine backends) for this rank's dispatch
+    kernels (their status), not for the sleep, so the host has queued it before the sleep ends; its result is that
+    of the same calls made with the GPU idle."""
     import time
 
     from smsplit.ep import Buffer
@@ -635,6 +635,62 @@ def _buffer_runs_ahead_worker(rank, world, port, backend):
 @pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])
 def test_a_buffer_combine_does_not_wait_for_work_queued_after_its_dispatch(backend):
     mp.spawn(_buffer_runs_ahead_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+
+
+def _buffer_kernel_timeout_worker(rank, world, port, backend):
+    """A kernel wait that times out is reported by the first Buffer call after it, on every rank, without any call
+    waiting for the GPU (backend "nvlink"): rank 1's GPU sleeps about 3 s before a cached dispatch, so rank 0's dispatch kernel gives
+    up waiting for it (timeout_s=1). Both ranks then call combine every 0.25 s: the calls made before the timeout
+    go through (no host wait for the failed kernel), and the first one after it raises EPError naming rank 0 and,
+    there, the wait that timed out."""
+    import time
+
+    from smsplit.ep import Buffer, EPError
+
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 128, 2048, 16, 4
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
+                 num_sms=8, backend=backend, timeout_s=1)
+    g = torch.Generator(device="cpu").manual_seed(11 + rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    # every kernel compiled and every copy plan made before the sleep: a first launch loads a module, and a plan
+    # reads the layout, both waiting for the GPU (a host held up past timeout_s fails the header exchange instead)
+    buf.combine(recv, handle)
+    buf.dispatch(x, handle=handle)
+    buf.combine(recv, handle)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    if rank == 1:
+        torch.cuda._sleep(int(6e9))  # about 3 s at Hopper's clocks
+    buf.dispatch(x, handle=handle)
+    raised_at, message = None, ""
+    for call in range(40):
+        time.sleep(0.25)
+        try:
+            buf.combine(recv, handle)
+        except EPError as e:
+            raised_at, message = call, str(e)
+            break
+    torch.cuda.synchronize()
+    assert raised_at is not None, f"rank {rank}: no call raised within 10 s of the timeout"
+    assert raised_at >= 1, f"rank {rank}: the first call raised: it waited for the failed kernel ({message})"
+    assert "rank(s) [0]" in message and "timed out in an earlier call" in message, message
+    if rank == 0:
+        assert "dispatch: waiting for rank 1" in message, message
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["nvlink"])  # (the copy-engine backends wait for their last kernels: see Buffer;
+# session 21 ran this test on them without that wait and nvlink_copy_engine hung: a copy stream's unbounded wait)
+def test_a_kernel_timeout_is_raised_by_the_next_call_on_every_rank_without_waiting(backend):
+    mp.spawn(_buffer_kernel_timeout_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):

@@ -100,6 +100,15 @@ class Buffer:
     `timeout_s` raises `EPTimeoutError` naming the peer and the phase; after that (and after `EPError`) the buffer
     is unusable.
 
+    The device backends' kernels wait for peers on the GPU, bounded by `timeout_s` too; a wait that times out
+    writes the rank, peer and phase to host memory and the kernel runs to its end; the next call raises `EPError`
+    naming it, on every rank, before it launches anything. Backend "nvlink" reads that word without waiting for
+    earlier kernels (the host runs ahead of the GPU, as with DeepEP): the first call whose header is built after
+    the timeout raises, and results of calls already queued behind the failed kernel are not valid (like those of
+    the failed call itself). The copy-engine backends wait for their last call's kernels first: their copy streams
+    wait for peers' words without a bound, and calls queued behind a failed kernel could leave one waiting for ever.
+    `check_kernels` waits for the stream, where a result must be known good without a later call.
+
     Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
     is a combine of the gradients and the backward of a combine is a dispatch of the gradients.
 
@@ -172,6 +181,8 @@ class Buffer:
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
         self._kernels_done: Optional[torch.cuda.Event] = None  # recorded after this rank's last eager kernels
+        # whether a call's status check waits for them (not for "nvlink": no copy streams, every wait bounded)
+        self._status_waits = self.backend != "nvlink"
         self._round = 0
 
         header = self._header(OP_INIT)
@@ -649,9 +660,10 @@ class Buffer:
         return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
 
     def _kernels_launched(self) -> None:
-        """Mark the end of this rank's device-transport work so far: the next call's status check waits for it,
-        not for work queued on the stream after it (an expert's GEMMs between a dispatch and its combine)."""
-        if not self._capturing():
+        """Mark the end of this rank's device-transport work so far: the next call's status check waits for it
+        (copy-engine backends), not for work queued on the stream after it (an expert's GEMMs between a dispatch
+        and its combine)."""
+        if self._status_waits and not self._capturing():
             self._kernels_done = torch.cuda.current_stream(self.device).record_event()
 
     # -- validation ------------------------------------------------------------------------------------------
@@ -822,9 +834,10 @@ class Buffer:
         return header
 
     def _check_nvlink_kernels(self, whole_stream: bool = False) -> Optional[str]:
-        """The timeout an NVLink kernel of this rank recorded since the last call, if any. Waits for this rank's
-        last eager kernels (their status word is final only when they have finished), or with ``whole_stream``
-        for the current stream (kernels replayed from CUDA graphs)."""
+        """The timeout a device kernel of this rank has recorded so far, if any (its status word in pinned host
+        memory; a wait that times out writes it at that moment). Waits first, with ``whole_stream``, for the current
+        stream (kernels replayed from CUDA graphs), else, for the copy-engine backends, for this rank's last eager
+        kernels (see `Buffer`)."""
         if not self._nvlink_transports:
             return None
         if whole_stream:
