@@ -2,6 +2,7 @@
 
 from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -189,7 +190,7 @@ class Buffer:
         header[:, H_NVL_BYTES] = num_nvl_bytes
         header[:, H_NUM_TOKENS] = self.num_sms  # the NVLink kernels wait for this many programs of every peer
         header[:, H_FLAGS] = BACKENDS.index(self.backend)
-        headers = self.transport.exchange_headers("init", "the buffer size", header)
+        headers = self.transport.exchange_headers("init", "the buffer size", torch.from_numpy(header))
         self._agree(OP_INIT, headers, None)
         for word, argument, what in ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"),
                                      (H_FLAGS, "backend", "backend"),
@@ -373,7 +374,7 @@ class Buffer:
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = _status_code(e)
-        headers = self.transport.exchange_headers("dispatch", "counts", header)
+        headers = self.transport.exchange_headers("dispatch", "counts", torch.from_numpy(header))
         self._agree(OP_DISPATCH, headers, error)
         self._wait_previous(previous_event)
 
@@ -567,7 +568,7 @@ class Buffer:
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = _status_code(e)
-        headers = self.transport.exchange_headers("combine", "status", header)
+        headers = self.transport.exchange_headers("combine", "status", torch.from_numpy(header))
         self._agree(OP_COMBINE, headers, error)
         self._wait_previous(previous_event)
 
@@ -823,9 +824,10 @@ class Buffer:
 
     # -- agreement between ranks -----------------------------------------------------------------------------
 
-    def _header(self, op: int) -> torch.Tensor:
+    def _header(self, op: int) -> np.ndarray:
+        """This call's header rows, one per rank (numpy: filling a tensor's columns cost microseconds each)."""
         self._round += 1
-        header = torch.zeros(self.group_size, HEADER_WORDS + self.group_size, dtype=torch.int64)
+        header = np.zeros((self.group_size, HEADER_WORDS + self.group_size), dtype=np.int64)
         header[:, H_OP] = op
         header[:, H_ROUND] = self._round
         self._nvlink_failure = self._nvlink_failure or self._check_nvlink_kernels()
@@ -852,7 +854,7 @@ class Buffer:
         return None
 
     @staticmethod
-    def _fill_header(header: torch.Tensor, spec: dict) -> None:
+    def _fill_header(header: np.ndarray, spec: dict) -> None:
         header[:, H_NUM_TOKENS] = spec["num_tokens"]
         header[:, H_NUM_EXPERTS] = spec["num_experts"]
         header[:, H_HIDDEN] = spec["hidden"]
@@ -861,7 +863,7 @@ class Buffer:
         header[:, H_FLAGS] = spec["flags"]
         header[:, H_NUM_WORST] = spec["num_worst_tokens"]
         if spec["host_layout"] is not None:
-            header[:, HEADER_WORDS:] = torch.tensor(spec["host_layout"]["num_tokens_per_rank"], dtype=torch.int64)
+            header[:, HEADER_WORDS:] = spec["host_layout"]["num_tokens_per_rank"]
 
     def _agree(self, op: int, headers: torch.Tensor, own_error: Optional[EPArgumentError]) -> None:
         """Every rank sees the same headers, so every rank reaches the same verdict here."""

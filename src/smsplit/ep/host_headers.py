@@ -134,22 +134,22 @@ class HostHeaders:
         self._words[own] = n
 
         width = rows.size(1)
-        out = torch.empty(self.num_ranks, width, dtype=torch.int64)
-        out[self.rank] = rows[self.rank]
+        out = np.empty((self.num_ranks, width), dtype=np.int64)  # (numpy: a tensor's row copies cost microseconds)
+        out[self.rank] = payload[self.rank * width:(self.rank + 1) * width]
         waiting = [q for q in range(self.num_ranks) if q != self.rank]
 
         def arrived() -> bool:
             for q in list(waiting):
                 got = self._read(q, n, words, op, what)
                 if got is not None:
-                    out[q] = torch.from_numpy(got.reshape(self.num_ranks, width)[self.rank])
+                    out[q] = got[self.rank * width:(self.rank + 1) * width]
                     waiting.remove(q)
             return not waiting
 
         if not poll_until(arrived, time.monotonic() + timeout_s):
             phase = f"{op}: waiting for {what} from rank {waiting[0]}"
             raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
-        return out
+        return torch.from_numpy(out)
 
     def _slot(self, rank: int, n: int) -> int:
         return ((n % 2) * self.num_ranks + rank) * self._slot_words
