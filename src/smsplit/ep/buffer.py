@@ -190,8 +190,7 @@ class Buffer:
         header[:, H_NVL_BYTES] = num_nvl_bytes
         header[:, H_NUM_TOKENS] = self.num_sms  # the NVLink kernels wait for this many programs of every peer
         header[:, H_FLAGS] = BACKENDS.index(self.backend)
-        headers = self.transport.exchange_headers("init", "the buffer size", torch.from_numpy(header))
-        self._agree(OP_INIT, headers, None)
+        headers = self._exchange(OP_INIT, "the buffer size", header, None)
         for word, argument, what in ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"),
                                      (H_FLAGS, "backend", "backend"),
                                      (H_NUM_TOKENS, "num_sms", "num_sms (or budget.comm_sms)")):
@@ -374,8 +373,7 @@ class Buffer:
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = _status_code(e)
-        headers = self.transport.exchange_headers("dispatch", "counts", torch.from_numpy(header))
-        self._agree(OP_DISPATCH, headers, error)
+        headers = self._exchange(OP_DISPATCH, "counts", header, error)
         self._wait_previous(previous_event)
 
         values, scales = spec["values"], spec["scales"]
@@ -568,8 +566,7 @@ class Buffer:
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = _status_code(e)
-        headers = self.transport.exchange_headers("combine", "status", torch.from_numpy(header))
-        self._agree(OP_COMBINE, headers, error)
+        self._exchange(OP_COMBINE, "status", header, error)
         self._wait_previous(previous_event)
 
         if self._nvlink_combines(x, handle):
@@ -864,6 +861,13 @@ class Buffer:
         header[:, H_NUM_WORST] = spec["num_worst_tokens"]
         if spec["host_layout"] is not None:
             header[:, HEADER_WORDS:] = spec["host_layout"]["num_tokens_per_rank"]
+
+    def _exchange(self, op: int, what: str, header: np.ndarray, own_error: Optional[EPArgumentError]) -> torch.Tensor:
+        """Send this rank's header rows (`what`, for error messages), agree on the rows every rank sent (`_agree`);
+        returns them, row q from rank q."""
+        headers = self.transport.exchange_headers(OP_NAMES[op], what, torch.from_numpy(header))
+        self._agree(op, headers, own_error)
+        return headers
 
     def _agree(self, op: int, headers: torch.Tensor, own_error: Optional[EPArgumentError]) -> None:
         """Every rank sees the same headers, so every rank reaches the same verdict here."""
