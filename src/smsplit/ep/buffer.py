@@ -103,11 +103,11 @@ class Buffer:
 
     The device backends' kernels wait for peers on the GPU, bounded by `timeout_s` too; a wait that times out
     writes the rank, peer and phase to host memory and the kernel runs to its end; the next call raises `EPError`
-    naming it, on every rank, before it launches anything. Backend "nvlink" reads that word without waiting for
-    earlier kernels (the host runs ahead of the GPU, as with DeepEP): the first call whose header is built after
-    the timeout raises, and results of calls already queued behind the failed kernel are not valid (like those of
-    the failed call itself). The copy-engine backends wait for their last call's kernels first: their copy streams
-    wait for peers' words without a bound, and calls queued behind a failed kernel could leave one waiting for ever.
+    naming it, on every rank, before it launches anything. Backends "nvlink" and "nvlink_copy_engine" read that word
+    without waiting for earlier kernels (the host runs ahead of the GPU, as with DeepEP): the first call whose
+    header is built after the timeout raises; kernels queued behind the failed one move nothing and signal no peer
+    (they only free this rank's copy stream), so their results are not valid (like the failed call's own). Backend
+    "copy_engine" waits for its last call's kernels first (its copy streams wait for peers' words without a bound).
     `check_kernels` waits for the stream, where a result must be known good without a later call.
 
     Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
@@ -182,8 +182,9 @@ class Buffer:
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
         self._kernels_done: Optional[torch.cuda.Event] = None  # recorded after this rank's last eager kernels
-        # whether a call's status check waits for them (not for "nvlink": no copy streams, every wait bounded)
-        self._status_waits = self.backend != "nvlink"
+        # whether a call's status check waits for them (not for the NVLink transports, whose kernels do nothing
+        # after a failed wait but free their copy streams)
+        self._status_waits = self.backend == "copy_engine"
         self._round = 0
 
         header = self._header(OP_INIT)
@@ -659,7 +660,7 @@ class Buffer:
 
     def _kernels_launched(self) -> None:
         """Mark the end of this rank's device-transport work so far: the next call's status check waits for it
-        (copy-engine backends), not for work queued on the stream after it (an expert's GEMMs between a dispatch
+        (backend "copy_engine"), not for work queued on the stream after it (an expert's GEMMs between a dispatch
         and its combine)."""
         if self._status_waits and not self._capturing():
             self._kernels_done = torch.cuda.current_stream(self.device).record_event()
@@ -835,7 +836,7 @@ class Buffer:
     def _check_nvlink_kernels(self, whole_stream: bool = False) -> Optional[str]:
         """The timeout a device kernel of this rank has recorded so far, if any (its status word in pinned host
         memory; a wait that times out writes it at that moment). Waits first, with ``whole_stream``, for the current
-        stream (kernels replayed from CUDA graphs), else, for the copy-engine backends, for this rank's last eager
+        stream (kernels replayed from CUDA graphs), else, for backend "copy_engine", for this rank's last eager
         kernels (see `Buffer`)."""
         if not self._nvlink_transports:
             return None
