@@ -596,6 +596,24 @@ def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
     mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
 
 
+def _small_buffer_dispatched(rank, world, port, backend, timeout_s, seed):
+    """This process as rank `rank` of an NCCL group, a Buffer of `backend` (8 SMs) and one uncached dispatch of 128
+    random tokens (hidden 2048, top-4 of 16 experts): ``(buffer, x, received rows, handle)``."""
+    from smsplit.ep import Buffer
+
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 128, 2048, 16, 4
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
+                 num_sms=8, backend=backend, timeout_s=timeout_s)
+    g = torch.Generator(device="cpu").manual_seed(seed + rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    return buf, x, recv, handle
+
+
 def _buffer_runs_ahead_worker(rank, world, port, backend):
     """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
     GEMMs would be): the call waits for the peers' headers (and with backend "copy_engine" for this rank's
@@ -603,18 +621,7 @@ def _buffer_runs_ahead_worker(rank, world, port, backend):
     result is that of the same calls made with the GPU idle."""
     import time
 
-    from smsplit.ep import Buffer
-
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 128, 2048, 16, 4
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
-                 num_sms=8, backend=backend, timeout_s=30)
-    g = torch.Generator(device="cpu").manual_seed(7 + rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    buf, x, recv, handle = _small_buffer_dispatched(rank, world, port, backend, timeout_s=30, seed=7)
     expected_out, _, _ = buf.combine(recv, handle)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
@@ -645,18 +652,9 @@ def _buffer_kernel_timeout_worker(rank, world, port, backend):
     there, the wait that timed out."""
     import time
 
-    from smsplit.ep import Buffer, EPError
+    from smsplit.ep import EPError
 
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 128, 2048, 16, 4
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
-                 num_sms=8, backend=backend, timeout_s=1)
-    g = torch.Generator(device="cpu").manual_seed(11 + rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    buf, x, recv, handle = _small_buffer_dispatched(rank, world, port, backend, timeout_s=1, seed=11)
     # every kernel compiled and every copy plan made before the sleep: a first launch loads a module, and a plan
     # reads the layout, both waiting for the GPU (a host held up past timeout_s fails the header exchange instead)
     buf.combine(recv, handle)

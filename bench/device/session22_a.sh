@@ -2,7 +2,9 @@
 # Next session (2 H200), wip/inert-after-failure: the NVLink kernels do nothing once an earlier wait of their rank
 # timed out (they only free their copy stream), so backend "nvlink_copy_engine" no longer waits for its last
 # kernels either. (1) the kernel-timeout test for both NVLink backends (nvlink_copy_engine hung in session 21
-# without inert kernels); (2) the whole nvlink GPU file in two parts; (3) the rest of the EP GPU tests.
+# without inert kernels); (2) the whole nvlink GPU file in two parts. Also on the branch (GPU-only, not yet run):
+# EPTimeoutError.on_device, the one home of the device transports' timeout message; the two Buffer workers of the
+# nvlink file share their setup (_small_buffer_dispatched).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

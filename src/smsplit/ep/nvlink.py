@@ -988,7 +988,7 @@ class NvlinkTransport:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
                              f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
         what = WAITS.get(phase, "wait {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
-        raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+        raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 
     @property
     def _peers(self) -> list:
