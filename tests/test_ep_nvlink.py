@@ -616,9 +616,9 @@ def _small_buffer_dispatched(rank, world, port, backend, timeout_s, seed):
 
 def _buffer_runs_ahead_worker(rank, world, port, backend):
     """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
-    GEMMs would be): the call waits for the peers' headers (and with backend "copy_engine" for this rank's
-    dispatch kernels, their status), not for the sleep, so the host has queued it before the sleep ends; its
-    result is that of the same calls made with the GPU idle."""
+    GEMMs would be): the call waits for the peers' headers, not for the GPU (neither the sleep nor this rank's
+    dispatch kernels), so the host has queued it before the sleep ends; its result is that of the same calls made
+    with the GPU idle."""
     import time
 
     buf, x, recv, handle = _small_buffer_dispatched(rank, world, port, backend, timeout_s=30, seed=7)
@@ -646,7 +646,7 @@ def test_a_buffer_combine_does_not_wait_for_work_queued_after_its_dispatch(backe
 
 def _buffer_kernel_timeout_worker(rank, world, port, backend):
     """A kernel wait that times out is reported by the first Buffer call after it, on every rank, without any call
-    waiting for the GPU (the NVLink backends): rank 1's GPU sleeps about 3 s before a cached dispatch, so rank 0's dispatch kernel gives
+    waiting for the GPU: rank 1's GPU sleeps about 3 s before a cached dispatch, so rank 0's dispatch kernel gives
     up waiting for it (timeout_s=1). Both ranks then call combine every 0.25 s: the calls made before the timeout
     go through (no host wait for the failed kernel), and the first one after it raises EPError naming rank 0 and,
     there, the wait that timed out."""
@@ -685,8 +685,8 @@ def _buffer_kernel_timeout_worker(rank, world, port, backend):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])  # (session 21, before kernels queued behind a
-# failed one did nothing: nvlink_copy_engine hung here, most likely a copy stream's unbounded wait)
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])  # (session 21, before the
+# NVLink kernels queued behind a failed one did nothing: nvlink_copy_engine hung, most likely a copy stream's wait)
 def test_a_kernel_timeout_is_raised_by_the_next_call_on_every_rank_without_waiting(backend):
     mp.spawn(_buffer_kernel_timeout_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
