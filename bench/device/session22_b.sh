@@ -14,7 +14,7 @@ for v in main branch branch main; do
   PYTHONPATH=$src timeout -s KILL 80 python3 bench/ep.py --transports nvlink nvlink_copy_engine --comm-sms 20 \
     --reps 30 --copy-shares 1.0 --concurrent-sms > /tmp/ep_run.log 2>&1
   echo "$v ep rc $?"; cat /tmp/ep_run.log >> "$OUT/ep_inert_${v}_session22.log"; grep "graph, P=" /tmp/ep_run.log | cut -c1-300; reap
-  PYTHONPATH=$src timeout -s KILL 60 python3 bench/ep_buffer.py --comm-sms 20 --backends nvlink nvlink_copy_engine \
+  PYTHONPATH=$src timeout -s KILL 80 python3 bench/ep_buffer.py --comm-sms 20 --backends nvlink nvlink_copy_engine copy_engine \
     --profile-calls 10 --profile-top 12 --profile-ranks 0 1 > /tmp/ep_buffer_run.log 2>&1
   echo "$v ep_buffer rc $?"; cat /tmp/ep_buffer_run.log >> "$OUT/ep_buffer_inert_${v}_session22.log"
   grep " P=20: " /tmp/ep_buffer_run.log | cut -c1-700; reap
