@@ -7,8 +7,8 @@ received rows out of the transport's buffer. For each backend at ``--comm-sms``,
 events after a barrier (median over ranks' medians, max over ranks): Buffer dispatch uncached (BF16), cached (BF16,
 FP8 quantized in the dispatch, FP8 input) and combine, and the same transport calls without the Buffer (cached
 layout). Then the same calls queued back to back, as DeepEP's benchmark times its calls (``--queued`` calls between
-two CUDA events, divided: the host may run ahead of the GPU). Then a host profile (cProfile) of rank 0's cached BF16
-dispatch + combine through the Buffer, the functions with the most own time.
+two CUDA events, divided: the host may run ahead of the GPU). Then a host profile (cProfile) of each rank's cached BF16
+dispatch + combine through the Buffer, printed for the ranks in ``--profile-ranks``: the functions with the most own time.
 
     PYTHONPATH=src python3 bench/ep_buffer.py --backends nvlink nvlink_copy_engine copy_engine --comm-sms 20
 Writes bench/results/ep_buffer.json.
@@ -94,9 +94,12 @@ def worker(rank, world, port, args, queue):
             if rank == 0:
                 print(f"{backend} P={P}: " + ", ".join(f"{k[:-3]} {v * 1e3:.1f} us" for k, v in row.items()
                                                       if k.endswith("_ms")), flush=True)
-                print(f"host profile, {args.profile_calls} cached BF16 dispatches + combines through the Buffer "
-                      f"(rank 0, by own time):\n" + "\n".join(profiles[f"{backend}_{P}"].splitlines()[:args.profile_top + 12]),
-                      flush=True)
+            for r in args.profile_ranks:  # one rank at a time, so that the printed profiles do not interleave
+                if r == rank:
+                    print(f"host profile, {args.profile_calls} cached BF16 dispatches + combines through the Buffer "
+                          f"(rank {rank}, by own time):\n"
+                          + "\n".join(profiles[f"{backend}_{P}"].splitlines()[:args.profile_top + 12]), flush=True)
+                dist.barrier(device_ids=[rank])
             buf = handle = tr = None  # the next backend's buffer replaces this one
             torch.cuda.synchronize()
     end_worker(rank, queue, {"rows": rows, "profiles_rank0": profiles})
@@ -113,6 +116,7 @@ def main():
                         help="calls queued back to back per timed run in the queued columns (1: none)")
     parser.add_argument("--profile-calls", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks whose host profile is printed")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     run_and_write("ep_buffer", worker, parser.parse_args(),
                   notes="one eager call between two CUDA events after a barrier, median of reps per rank, max over ranks; "

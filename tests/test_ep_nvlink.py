@@ -596,25 +596,32 @@ def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
     mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
 
 
-def _buffer_runs_ahead_worker(rank, world, port, backend):
-    """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
-    GEMMs would be): the call waits for the peers' headers and (copy-engine backends) for this rank's dispatch
-    kernels (their status), not for the sleep, so the host has queued it before the sleep ends; its result is that
-    of the same calls made with the GPU idle."""
-    import time
-
+def _small_buffer_dispatched(rank, world, port, backend, timeout_s, seed):
+    """This process as rank `rank` of an NCCL group, a Buffer of `backend` (8 SMs) and one uncached dispatch of 128
+    random tokens (hidden 2048, top-4 of 16 experts): ``(buffer, x, received rows, handle)``."""
     from smsplit.ep import Buffer
 
     dev = _init_nccl(rank, world, port)
     T, H, E, K = 128, 2048, 16, 4
     buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
-                 num_sms=8, backend=backend, timeout_s=30)
-    g = torch.Generator(device="cpu").manual_seed(7 + rank)
+                 num_sms=8, backend=backend, timeout_s=timeout_s)
+    g = torch.Generator(device="cpu").manual_seed(seed + rank)
     x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
     topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
     recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                             num_tokens_per_expert=per_expert, topk_idx=topk)
+    return buf, x, recv, handle
+
+
+def _buffer_runs_ahead_worker(rank, world, port, backend):
+    """A combine called while the GPU still runs work queued after its dispatch (a 0.5 s sleep, as an expert's
+    GEMMs would be): the call waits for the peers' headers, not for the GPU (neither the sleep nor this rank's
+    dispatch kernels), so the host has queued it before the sleep ends; its result is that of the same calls made
+    with the GPU idle."""
+    import time
+
+    buf, x, recv, handle = _small_buffer_dispatched(rank, world, port, backend, timeout_s=30, seed=7)
     expected_out, _, _ = buf.combine(recv, handle)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
@@ -639,24 +646,15 @@ def test_a_buffer_combine_does_not_wait_for_work_queued_after_its_dispatch(backe
 
 def _buffer_kernel_timeout_worker(rank, world, port, backend):
     """A kernel wait that times out is reported by the first Buffer call after it, on every rank, without any call
-    waiting for the GPU (backend "nvlink"): rank 1's GPU sleeps about 3 s before a cached dispatch, so rank 0's dispatch kernel gives
+    waiting for the GPU: rank 1's GPU sleeps about 3 s before a cached dispatch, so rank 0's dispatch kernel gives
     up waiting for it (timeout_s=1). Both ranks then call combine every 0.25 s: the calls made before the timeout
     go through (no host wait for the failed kernel), and the first one after it raises EPError naming rank 0 and,
     there, the wait that timed out."""
     import time
 
-    from smsplit.ep import Buffer, EPError
+    from smsplit.ep import EPError
 
-    dev = _init_nccl(rank, world, port)
-    T, H, E, K = 128, 2048, 16, 4
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
-                 num_sms=8, backend=backend, timeout_s=1)
-    g = torch.Generator(device="cpu").manual_seed(11 + rank)
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=topk)
+    buf, x, recv, handle = _small_buffer_dispatched(rank, world, port, backend, timeout_s=1, seed=11)
     # every kernel compiled and every copy plan made before the sleep: a first launch loads a module, and a plan
     # reads the layout, both waiting for the GPU (a host held up past timeout_s fails the header exchange instead)
     buf.combine(recv, handle)
@@ -687,8 +685,8 @@ def _buffer_kernel_timeout_worker(rank, world, port, backend):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("backend", ["nvlink"])  # (the copy-engine backends wait for their last kernels: see Buffer;
-# session 21 ran this test on them without that wait and nvlink_copy_engine hung: a copy stream's unbounded wait)
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])  # (session 21, before the
+# NVLink kernels queued behind a failed one did nothing: nvlink_copy_engine hung, most likely a copy stream's wait)
 def test_a_kernel_timeout_is_raised_by_the_next_call_on_every_rank_without_waiting(backend):
     mp.spawn(_buffer_kernel_timeout_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 

@@ -103,12 +103,12 @@ class Buffer:
 
     The device backends' kernels wait for peers on the GPU, bounded by `timeout_s` too; a wait that times out
     writes the rank, peer and phase to host memory and the kernel runs to its end; the next call raises `EPError`
-    naming it, on every rank, before it launches anything. Backend "nvlink" reads that word without waiting for
-    earlier kernels (the host runs ahead of the GPU, as with DeepEP): the first call whose header is built after
-    the timeout raises, and results of calls already queued behind the failed kernel are not valid (like those of
-    the failed call itself). The copy-engine backends wait for their last call's kernels first: their copy streams
-    wait for peers' words without a bound, and calls queued behind a failed kernel could leave one waiting for ever.
-    `check_kernels` waits for the stream, where a result must be known good without a later call.
+    naming it, on every rank, before it launches anything. No call waits for earlier kernels to read that word (the
+    host runs ahead of the GPU, as with DeepEP): the first call whose header is built after the timeout raises.
+    Kernels queued behind the failed one do not wait for peers any more (the NVLink transports' move nothing and
+    signal no peer but free their copy stream; the copy-engine transport's flags carry call numbers, so no copy
+    stream waits for ever), and their results are not valid (like the failed call's own). `check_kernels` waits
+    for the stream, where a result must be known good without a later call.
 
     Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
     is a combine of the gradients and the backward of a combine is a dispatch of the gradients.
@@ -181,9 +181,6 @@ class Buffer:
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
-        self._kernels_done: Optional[torch.cuda.Event] = None  # recorded after this rank's last eager kernels
-        # whether a call's status check waits for them (not for "nvlink": no copy streams, every wait bounded)
-        self._status_waits = self.backend != "nvlink"
         self._round = 0
 
         header = self._header(OP_INIT)
@@ -594,7 +591,6 @@ class Buffer:
         out, summed_weights = handle.nvlink_transport.combine(
             _dense(x[:rows]), _dense(topk_weights[:rows]) if topk_weights is not None else None,
             handle.nvlink_layout)
-        self._kernels_launched()
         if not biases:
             return out, summed_weights
         summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
@@ -644,7 +640,6 @@ class Buffer:
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
             num_local_experts, quantize=quantize,
             num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
-        self._kernels_launched()  # before the copies below: the next call's status check need not wait for them
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
@@ -656,13 +651,6 @@ class Buffer:
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
         return clone(recv_x), clone(recv_scales), clone(recv_topk_idx), clone(recv_topk_weights)
-
-    def _kernels_launched(self) -> None:
-        """Mark the end of this rank's device-transport work so far: the next call's status check waits for it
-        (copy-engine backends), not for work queued on the stream after it (an expert's GEMMs between a dispatch
-        and its combine)."""
-        if self._status_waits and not self._capturing():
-            self._kernels_done = torch.cuda.current_stream(self.device).record_event()
 
     # -- validation ------------------------------------------------------------------------------------------
 
@@ -834,15 +822,12 @@ class Buffer:
 
     def _check_nvlink_kernels(self, whole_stream: bool = False) -> Optional[str]:
         """The timeout a device kernel of this rank has recorded so far, if any (its status word in pinned host
-        memory; a wait that times out writes it at that moment). Waits first, with ``whole_stream``, for the current
-        stream (kernels replayed from CUDA graphs), else, for the copy-engine backends, for this rank's last eager
-        kernels (see `Buffer`)."""
+        memory, written when the wait gives up; read without waiting for the kernels, see `Buffer`). With
+        ``whole_stream``, first wait for the current stream (`check_kernels`)."""
         if not self._nvlink_transports:
             return None
         if whole_stream:
             torch.cuda.current_stream(self.device).synchronize()
-        elif self._kernels_done is not None:
-            self._kernels_done.synchronize()
         for transport in self._nvlink_transports.values():
             try:
                 transport.raise_if_failed()

@@ -383,7 +383,7 @@ class CopyEngineTransport:
         if phase == 0:
             return
         what = PHASES.get(phase, "phase {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
-        raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+        raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 
     def _flag(self, rank: int, name: str, index: int) -> int:
         return self.base_addrs[rank] + self.offsets[name] + 4 * index
@@ -406,7 +406,7 @@ class CopyEngineTransport:
         if not poll_until(work.is_completed, time.monotonic() + self.timeout_s):
             peer = (self.rank + 1) % R
             what = f"layout: waiting for the per-chunk counts of one of ranks {[p for p in range(R) if p != self.rank]}"
-            raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+            raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
         counts = gathered.cpu().numpy()
         totals = counts.sum(axis=(0, 1))  # rows each rank receives
         if num_worst_tokens and int(totals.max()) > num_worst_tokens:

@@ -119,6 +119,15 @@ def _wait_for_ranks(flags_ptr, first, stride, R, rank, skip_self, target, timeou
 
 
 @triton.jit
+def _failed_before(state_ptr):
+    """Whether a wait of an earlier kernel of this rank timed out (its FAIL_WORD, stable while this kernel runs:
+    the earlier kernels on the stream have ended). Such a kernel moves nothing and signals no peer: a kernel that
+    skipped its waits but still signalled would put the peers' counters, and the copy streams' FREE words, out of
+    step with their own calls (a copy stream's wait for a word has no bound), see `smsplit.ep.Buffer`."""
+    return tl.load(state_ptr + FAIL_WORD, volatile=True) != 0
+
+
+@triton.jit
 def _signal_all(bases_ptr, sig_off, rank, R):
     """Release-add 1 to ``signal[rank]`` of every peer (thread 0), after this program's stores."""
     tl.debug_barrier()
@@ -158,6 +167,8 @@ def notify_kernel(counts_ptr, bases_ptr, counts_off, sig_off, state_ptr, layout_
     """layout_ptr (int32): [0, R) where this rank's tokens start on each destination,
     [R, 2R] where each source's tokens start here (prefix, last = total), [2R + 1] rows received."""
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
+    if _failed_before(state_ptr):  # (the host reads the status word before it trusts the layout)
+        return
     expected = tl.load(state_ptr + 0, volatile=True)
     d = tl.arange(0, RP)
     dmask = d < R
@@ -482,6 +493,12 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     own = tl.load(bases_ptr + rank)
+    if _failed_before(state_ptr):
+        if WAIT_COPIES:
+            if pid == 0:  # free this rank's copy stream, which waits for the peers' X_FREE words unbounded
+                for d in range(R):
+                    ptx.st_release_sys((own + sig_off + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+        return
     if (first != 0) & (pid == 0):  # after this rank's earlier work on the stream (reads of the last results)
         for d in range(R):
             sig = tl.load(bases_ptr + d) + sig_off
@@ -631,6 +648,12 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     own = tl.load(bases_ptr + rank)
+    if _failed_before(state_ptr):
+        if WAIT_COPIES:
+            if pid == 0:  # free this rank's copy stream, which waits for the peers' sums unbounded
+                for d in range(R):
+                    tl.store((own + sig_off + FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+        return
     # every peer has summed the previous combine (its programs' SUMMED_SLOT signals): its combine area
     # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
     _wait_for_ranks((own + sig_off + SUMMED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
@@ -965,7 +988,7 @@ class NvlinkTransport:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
                              f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
         what = WAITS.get(phase, "wait {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
-        raise EPTimeoutError(f"rank {self.rank}: {what}; no answer within timeout_s={self.timeout_s:g}", peer, what)
+        raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 
     @property
     def _peers(self) -> list:

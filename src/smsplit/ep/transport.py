@@ -40,6 +40,12 @@ class EPTimeoutError(TimeoutError):
         self.peer = peer
         self.phase = phase
 
+    @classmethod
+    def on_device(cls, rank: int, peer: int, what: str, timeout_s: float) -> "EPTimeoutError":
+        """The error for a wait of a device transport on rank ``rank`` (a kernel's, or its host's) that passed
+        ``timeout_s``; ``what`` names the wait and the peer."""
+        return cls(f"rank {rank}: {what}; no answer within timeout_s={timeout_s:g}", peer, what)
+
 
 class EPArgumentError(ValueError):
     """
