@@ -172,23 +172,19 @@ class ReferenceTransport(Transport):
                 self._wait_any(work, op, what, peers, deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
 
-    def prepare(self, handle: DispatchHandle) -> None:
-        prefix = handle.rank_prefix_matrix.cpu().tolist()
-        column = [row[self.rank] for row in prefix]
-        recv_counts = [column[0]] + [column[p] - column[p - 1] for p in range(1, self.num_ranks)]
-        is_token_in_rank = handle.is_token_in_rank
-        send_token_idx = [torch.nonzero(is_token_in_rank[:, p]).flatten() for p in range(self.num_ranks)]
-        handle.transport_state = ReferenceLayout(
-            send_token_idx=send_token_idx,
-            send_counts=[int(idx.numel()) for idx in send_token_idx],
-            recv_counts=recv_counts,
-            recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
-
     def _layout(self, handle: DispatchHandle) -> ReferenceLayout:
-        """The handle's plan for this transport, made at its first use (a layout the NVLink kernels move never
-        needs it)."""
+        """The handle's plan for this transport (`handle.transport_state`), made at its first use (a layout the
+        NVLink kernels move never needs it)."""
         if not isinstance(handle.transport_state, ReferenceLayout):
-            self.prepare(handle)
+            prefix = handle.rank_prefix_matrix.cpu().tolist()
+            column = [row[self.rank] for row in prefix]
+            recv_counts = [column[0]] + [column[p] - column[p - 1] for p in range(1, self.num_ranks)]
+            send_token_idx = [torch.nonzero(handle.is_token_in_rank[:, p]).flatten() for p in range(self.num_ranks)]
+            handle.transport_state = ReferenceLayout(
+                send_token_idx=send_token_idx,
+                send_counts=[int(idx.numel()) for idx in send_token_idx],
+                recv_counts=recv_counts,
+                recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
         return handle.transport_state
 
     def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -1,16 +1,16 @@
 """The interface between `Buffer` and the code that moves bytes between ranks, and the errors it raises.
 
 `Buffer` validates arguments, computes layouts, quantizes to FP8, builds handles and wires autograd; a transport
-only moves data. `ReferenceTransport` implements these four calls; the NVLink kernels (`smsplit.ep.nvlink`) have an
+only moves data. `ReferenceTransport` implements these three calls; the NVLink kernels (`smsplit.ep.nvlink`) have an
 interface of their own (a fused dispatch with FP8 and top-k conversion inside the kernel) that `Buffer` calls
 for `backend="nvlink"`, keeping the reference transport for the host-side header exchange:
 
 1. `exchange_headers`: every rank sends one small int64 row to every rank (the notify step: counts, status,
    argument agreement). The result is on the host; this is where a missing peer is detected.
-2. `prepare`: precompute whatever the data phases need for a layout, stored in `handle.transport_state`.
-3. `dispatch`: per-token rows go to the ranks in `handle.is_token_in_rank`; the receiver stores them ordered by
-   source rank, then by token index.
-4. `combine`: the reverse, summing in fp32 the copies that return to each token.
+2. `dispatch`: per-token rows go to the ranks in `handle.is_token_in_rank`; the receiver stores them ordered by
+   source rank, then by token index. What a transport precomputes for a layout it keeps in
+   `handle.transport_state`, made at the layout's first use.
+3. `combine`: the reverse, summing in fp32 the copies that return to each token.
 """
 
 import os
@@ -92,10 +92,6 @@ class Transport:
         Returns:
             `[num_ranks, width]` int64 host tensor; row `p` came from rank `p` (row `rank` is this rank's own).
         """
-        raise NotImplementedError
-
-    def prepare(self, handle: DispatchHandle) -> None:
-        """Fill `handle.transport_state` with what `dispatch` and `combine` need for this layout."""
         raise NotImplementedError
 
     def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
