@@ -1,5 +1,5 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
-`bench/combine_timeline.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+`bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
 the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
@@ -71,6 +71,15 @@ def test_combine_timeline_observer_reads_the_clock_and_spins_on_each_flag():
     sig = {"flags_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "peer": "i32", "R": "i32", "timeout_ns": "i64"}
     text, _ = ptx.compile_for_sm90(combine_timeline.observe_kernel, sig, {"CHUNKS": 3}, num_warps=1)
     assert text.count("ld.acquire.sys.global.b32") == 3 and text.count("%globaltimer") >= 4
+
+
+def test_ep_timeline_observer_polls_the_probe_uncached_then_waits_for_the_flag():
+    import ep_timeline
+
+    sig = {"probe_ptr": "*i32", "flag_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "timeout_ns": "i64"}
+    text, _ = ptx.compile_for_sm90(ep_timeline.observe_kernel, sig, num_warps=1)
+    assert "ld.volatile.global" in text and text.count("ld.acquire.sys.global.b32") == 1
+    assert text.count("%globaltimer") >= 4
 
 
 def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_clock():
