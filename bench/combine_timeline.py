@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, run_and_write  # noqa: E402
+from common import (capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, replays_one_at_a_time,  # noqa: E402
+                    run_and_write)
 from start_together import StartTogether  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
@@ -83,22 +84,12 @@ def worker(rank, world, port, args, queue):
                 return out
             graph = capture_graph(step, dev)
             samples = []
-            for i in range(args.warmup + args.reps):
-                torch.cuda.synchronize()
-                dist.barrier(device_ids=[rank])
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                tr.raise_if_failed()
-                if i < args.warmup:
-                    continue
+            for event_us in replays_one_at_a_time(graph, rank, args.warmup, args.reps, tr.raise_if_failed):
                 o = obs.tolist()
                 rec = trace.records(reread=True)
                 rec = rec[-P:]  # this replay's combine programs (the graph writes the same slots each time)
                 t0 = o[0]
-                samples.append({"event_us": start.elapsed_time(end) * 1e3,
+                samples.append({"event_us": event_us,
                                 "flags_us": [(f - t0) / 1e3 for f in o[1:]],
                                 "kernel_start_us": (min(r[1] for r in rec) - t0) / 1e3,
                                 "kernel_end_us": (max(r[2] for r in rec) - t0) / 1e3,

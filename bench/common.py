@@ -180,6 +180,28 @@ def capture_graph(fn, dev) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replays_one_at_a_time(graph, rank: int, warmup: int, reps: int, check, before=None):
+    """Replay ``graph`` ``warmup + reps`` times, each after the GPU is idle and every rank has met at a host barrier
+    (``before()`` first, when given, e.g. to poison what the replay must overwrite); ``check()`` after each. Yields,
+    for each replay after the warm-up, its CUDA-event time in us."""
+    import torch.distributed as dist
+
+    for i in range(warmup + reps):
+        torch.cuda.synchronize()
+        if before is not None:
+            before()
+            torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        check()
+        if i >= warmup:
+            yield start.elapsed_time(end) * 1e3
+
+
 def run_ranks(worker, world: int, args):
     """Run ``worker(rank, world, port, args, queue)`` in ``world`` spawned processes (rank r on GPU r) and return
     what rank 0 put on the queue. Raises if a worker fails."""

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, run_and_write  # noqa: E402
+from common import (capture_graph, copy_engine_combine_inputs, end_worker, join_nccl, replays_one_at_a_time,  # noqa: E402
+                    run_and_write)
 from start_together import StartTogether  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
@@ -111,23 +112,12 @@ def worker(rank, world, port, args, queue):
             graph_slots = slice(first_graph_slot + (trace._used - first_graph_slot) // 2, trace._used)  # (capture_graph
             # runs step once more before capturing it)
             samples = []
-            for i in range(args.warmup + args.reps):
-                torch.cuda.synchronize()
-                probe.fill_(-1)  # poison: the peer's copy overwrites it
-                torch.cuda.synchronize()
-                dist.barrier(device_ids=[rank])
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                tr.raise_if_failed()
-                if i < args.warmup:
-                    continue
+            for event_us in replays_one_at_a_time(graph, rank, args.warmup, args.reps, tr.raise_if_failed,
+                                                  before=lambda: probe.fill_(-1)):  # the peer's copy overwrites it
                 o = obs.tolist()
                 rec = trace.records(reread=True)[graph_slots]
                 t0 = o[0]
-                samples.append({"event_us": start.elapsed_time(end) * 1e3,
+                samples.append({"event_us": event_us,
                                 "copy_start_us": (o[1] - t0) / 1e3 if o[1] > 0 else None,
                                 "flag_us": (o[2] - t0) / 1e3 if o[2] > 0 else None,
                                 "kernel_start_us": (rec[:, 1].min() - t0) / 1e3,
