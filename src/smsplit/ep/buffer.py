@@ -253,8 +253,8 @@ class Buffer:
             num_experts: the number of experts over all ranks, a multiple of the number of ranks.
             previous_event: the event to wait for before computing.
             async_finish: return an event instead of finishing on the current stream (no effect on CPU).
-            allocate_on_comm_stream: allocate the results on the communication stream (no effect on CPU or in the
-                reference backend).
+            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
+                allocated on the current stream).
 
         Returns:
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
@@ -310,13 +310,14 @@ class Buffer:
             expert_alignment: round each entry of `num_recv_tokens_per_expert_list` up to a multiple of this.
             num_worst_tokens: if positive, the received tensors have exactly this many rows (the rows past the
                 received tokens are zero, their `recv_topk_idx` is -1) and `num_recv_tokens_per_expert_list` is an
-                empty list; the GPU transports then need no host synchronization (graph-capture friendly). Must be
-                at least the number of tokens this rank receives.
+                empty list; the nvlink backend then needs no host synchronization and can be captured in a CUDA
+                graph, and so can the nvlink_copy_engine backend in the cached mode (`handle` of an eager dispatch,
+                which planned the copies on the host). Must be at least the number of tokens this rank receives.
             previous_event: the event to wait for before communicating.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
-            allocate_on_comm_stream: allocate the results on the communication stream (no effect in the reference
-                backend).
+            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
+                allocated on the current stream).
             fp8: quantize a floating-point `x` to FP8 e4m3 with one fp32 scale per 128 values before sending
                 (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)`.
             dequantize: with FP8 on the wire (`fp8=True` or an FP8 `x`), dequantize on receive: `recv_x` is a
@@ -526,8 +527,8 @@ class Buffer:
             previous_event: the event to wait for before communicating.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
-            allocate_on_comm_stream: allocate the results on the communication stream (no effect in the reference
-                backend).
+            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
+                allocated on the current stream).
 
         Returns:
             combined_x: `[num_tokens, hidden]`, `x`'s dtype: for each token of this rank, the sum of the rows that
