@@ -6,7 +6,8 @@ we cannot instrument (cuBLAS) are covered by a *span*: a probe kernel launched o
 just before and just after them records which SMs that stream can reach and when the work ran.
 
     trace = Trace(device="cuda")
-    copy_kernel[grid](..., trace.slots(grid, "copy", kind="comm"), TRACE=True)
+    view, tag = trace.slots(n_programs, "copy", kind="comm")  # one record per program of the launch
+    copy_kernel[(n_programs,)](..., view, tag, TRACE=True)
     with trace.span(budget.compute_stream, "gemm", kind="compute"):
         torch.matmul(a, b)
     trace.save_png("trace.png"); trace.save_chrome("trace.json")
