@@ -73,7 +73,10 @@ def test_green_streams_run_on_disjoint_complementary_sms(asked):
 
 
 @pytest.mark.gpu
-def test_cublas_on_compute_stream_stays_off_comm_sms():
+def test_compute_stream_around_a_cublas_gemm_reaches_no_comm_sm():
+    """What a trace can show of a kernel it cannot instrument: the span's probes, launched on the compute stream
+    just before and after a cuBLAS GEMM, land only off the comm SMs (the green context binds every kernel of that
+    stream, cuBLAS's included, to its SMs; the GEMM's own blocks are not observed), and the GEMM is right."""
     with SmBudget(20, mode="green") as budget:
         trace = Trace(budget.device)
         a = torch.randn(2048, 2048, device=budget.device, dtype=torch.bfloat16)

@@ -24,10 +24,10 @@ def test_trace_on_a_cpu_explains_and_writes_a_summary(tmp_path, capsys):
     assert summary["gpu"] is False
 
 
-def test_unknown_command_and_bad_device_are_usage_errors():
+def test_unknown_command_and_bad_device_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
-    assert e.value.code == 2
+    assert e.value.code == 2 and "invalid choice: 'frobnicate'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["demo", "--device", "tpu"])
-    assert e.value.code == 2
+    assert e.value.code == 2 and "argument --device: invalid choice: 'tpu'" in capsys.readouterr().err

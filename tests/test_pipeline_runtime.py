@@ -391,6 +391,8 @@ def test_overlap_hook_with_deferred_linear(name):
     for rec in records(name):
         assert rec["calls"] == rec["expected"] > 0, rec
         assert rec["loss_err"] < 1e-12 and rec["grad_1mcos"] < 1e-12, rec
+        assert rec["grad_relerr"] < 1e-10, rec  # (cosine alone would pass a dW applied twice)
+        assert not rec["grad_has_graph"], rec
 
 
 def test_linear_defers_weight_grad_only_when_store_enabled():

@@ -70,13 +70,14 @@ def test_dualpipe_bubble_matches_table(kind, ranks, F, overlap):
 
 
 def test_dualpipe_bubble_formula_is_not_exact_for_other_balances():
-    """Outside F = W = B/2 the table's figure is an approximation; record one case so that the
-    docs' caveat stays true (pp=4, F=1, B=2, W=0.5, F&B=2.2: simulated 2.2, table 2.7)."""
+    """Outside F = W = B/2 the table's figure is an approximation: one case where the simulated
+    bubble differs from it, so that the docs' caveat stays true (pp=4, F=1, B=2, W=0.5, F&B=2.2:
+    table 2.7)."""
     F, B, W, FB = 1.0, 2.0, 0.5, 2.2
     sim = simulate("dualpipe", 4, 8, F, B, W, FB)
     table = (4 / 2 - 1) * (FB + B - 3 * W)
-    assert max(sim.bubble) == pytest.approx(2.2)
-    assert max(sim.bubble) != pytest.approx(table)
+    assert table == pytest.approx(2.7)
+    assert abs(max(sim.bubble) - table) > 0.1 * table
 
 
 @pytest.mark.parametrize("kind", ["dualpipe", "dualpipev"])
@@ -262,11 +263,7 @@ def test_rendezvous_checker_catches_a_naive_plan():
                        or (op.backward and k == ("grad", *op.backward))]
         rows.append([("send", m, False) for m in pending])
         per_rank.append(rows)
-    try:
-        stuck = rendezvous_order(per_rank)
-    except AssertionError:
-        stuck = "order mismatch"
-    assert stuck is not None
+    assert rendezvous_order(per_rank) == [3, 3]  # both ranks stuck at their fourth row
 
 
 @pytest.mark.parametrize("kind, ranks, chunks", [("dualpipe", 4, 10), ("dualpipev", 3, 7)])

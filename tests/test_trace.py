@@ -33,6 +33,14 @@ def test_sm_sets_and_sharing_from_records():
     assert trace.sms(kind="probe") == {3}
 
 
+def test_shared_sms_are_those_that_ran_comm_and_compute():
+    tags = [("dispatch", "comm"), ("gemm", "compute"), ("probe", "probe")]
+    rows = [(sm, 0, 100, 0) for sm in range(4)] + [(sm, 50, 300, 1) for sm in (2, 3, 9)] + [(1, 0, 10, 2)]
+    trace = Trace.from_records(rows, tags)
+    assert trace.shared_sms() == {2, 3}  # a probe on comm SM 1 is not compute
+    assert trace.shared_sms("comm", "probe") == {1}
+
+
 def test_png_opens_and_has_a_size(tmp_path):
     path = tmp_path / "trace.png"
     synthetic_trace().save_png(path, title="synthetic", num_sms=132)
@@ -57,6 +65,12 @@ def test_chrome_trace_is_valid_trace_event_json(tmp_path):
         assert e["dur"] >= 0 and e["ts"] >= 0
     gemm = [e for e in complete if e["name"] == "gemm"]
     assert len(gemm) == 108 and all(abs(e["dur"] - 8.8) < 1e-9 for e in gemm)
+    # times in us from the first record's start (the probe's, at 0 ns): the gemm started at 200 ns
+    assert all(abs(e["ts"] - 0.2) < 1e-9 for e in gemm)
+    starts = {int(r[0]): r[1] for r in trace.records() if r[3] == 0}  # dispatch records, one per SM 0..23
+    for e in complete:
+        if e["name"] == "dispatch":
+            assert abs(e["ts"] - starts[e["tid"]] / 1e3) < 1e-9, e
 
 
 def test_bad_records_are_rejected():
