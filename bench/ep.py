@@ -190,8 +190,9 @@ def worker(rank, world, port, args, queue):
                    for P in args.comm_sms
                    for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
                    for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
-                   for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])]
-    for name, P, share, chunks, stage in graph_cases:
+                   for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])
+                   for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])]
+    for name, P, share, chunks, stage, mover in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
@@ -200,6 +201,7 @@ def worker(rank, world, port, args, queue):
             tr.combine_chunks = chunks  # None: the transport's default for P SMs
         if stage is not None:
             tr.stage_chunks = stage
+            tr.quantized_rows_by = mover
             tr.plan(lay, in_rank)  # the FP8 staging plan for these launches, made before capture
         calls = {
             "dispatch_bf16": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst,
@@ -215,7 +217,7 @@ def worker(rank, world, port, args, queue):
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
                "combine_chunks": tr.combine_chunks if share is not None else None,
                "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage}
+               "stage_chunks": stage, "quantized_rows_by": mover}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -229,7 +231,7 @@ def worker(rank, world, port, args, queue):
         if rank == 0:
             chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
             print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
-                  f"{'' if stage is None else f' stage {stage}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+                  f"{'' if stage is None else f' stage {stage}'}{'' if mover is None else f' FP8 rows by {mover}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us (FP8 input {row['dispatch_fp8_input_graph_ms'] * 1e3:.1f}), combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
                   + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in calls)
@@ -241,6 +243,7 @@ def worker(rank, world, port, args, queue):
         transports["nvlink_copy_engine"].copy_share = args.copy_share
         transports["nvlink_copy_engine"].combine_chunks = args.combine_chunks[0]
         transports["nvlink_copy_engine"].stage_chunks = args.stage_chunks[0]
+        transports["nvlink_copy_engine"].quantized_rows_by = args.quantized_rows_by[0]
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -393,6 +396,9 @@ def main():
                         help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
                              "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1); default: the transport's "
                              "default_combine_chunks for each comm SM count")
+    parser.add_argument("--quantized-rows-by", nargs="+", default=["sm"], choices=["sm", "copy_engine"],
+                        help="nvlink_copy_engine: who moves the rows of an FP8 dispatch that quantizes, replayed from "
+                             "CUDA graphs (sm: the kernel pushes them; copy_engine: staged, then copied)")
     parser.add_argument("--stage-chunks", type=int, nargs="+", default=[4],
                         help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],

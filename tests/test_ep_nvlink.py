@@ -215,6 +215,8 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             transport.stage_chunks = (4, 1, 7)[case % 3]  # FP8 made in the kernel: staged in this many launches
             # a dispatch's copied prefix: none, all (BF16 and FP8, top-8/9: a few holes) or some
             transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
+            # FP8 quantized in the dispatch (cases 3 and 5): pushed onto the copy plan's rows, then staged
+            transport.quantized_rows_by = ("sm", "copy_engine")[case // 5 % 2]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         x_in, scales_in = quantize_1x128(xs[rank]) if quantize == "input" else (xs[rank], None)
@@ -304,7 +306,7 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     # top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be half holes, the SMs move the rows
     cases = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
-    # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: staged, then copied)
+    # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed, or staged and copied)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
@@ -478,10 +480,13 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
     results late (a sleep queued before its copy of them): a dispatch must not write into a peer's receive area
     before that peer has started it (so has read the previous results), or rank 1 copies the next dispatch's rows.
     Then a cached dispatch that rank 1 never makes: rank 0 raises EPTimeoutError naming rank 1 and the dispatch,
-    and its copy stream (waiting for rank 1's start) does not hang."""
+    and its copy stream (waiting for rank 1's start) does not hang. ``quantize``: False (BF16), "pushed" or "staged"
+    (FP8 quantized in the dispatch, its rows pushed by the kernel or, with bulk="copy_engine", staged and copied)."""
     from smsplit.fp8 import quantize_1x128
 
     dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 5, bulk)
+    transport.quantized_rows_by = "copy_engine" if quantize == "staged" else "sm"
+    quantize = bool(quantize)
     *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, quantize=quantize)
     torch.cuda.synchronize()
     transport.raise_if_failed()
@@ -527,7 +532,8 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("bulk, quantize", [("sm", False), ("sm", True), ("copy_engine", False), ("copy_engine", True)])
+@pytest.mark.parametrize("bulk, quantize", [("sm", False), ("sm", "pushed"), ("copy_engine", False),
+                                            ("copy_engine", "pushed"), ("copy_engine", "staged")])
 def test_cached_dispatches_in_a_row_wait_for_each_peer_to_read_the_last(bulk, quantize):
     mp.spawn(_cached_dispatches_worker, args=(2, free_port(), bulk, quantize), nprocs=2, join=True)
 

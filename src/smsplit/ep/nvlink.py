@@ -884,7 +884,9 @@ class NvlinkTransport:
             engines copy the first rows of ``x`` into a peer's receive area in one copy per peer, and the rows
             received from each source back into its combine area; the kernels
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
-            peers' copy-done flags; an FP8 dispatch that quantizes here stages the peers' rows in this rank's
+            peers' copy-done flags). An FP8 dispatch that quantizes here (``quantize``) has its rows moved as the
+            attribute ``quantized_rows_by`` says: ``"sm"`` (the default: the kernel pushes every row as it
+            quantizes it, on the rows the copy-engine dispatches of the layout use) or ``"copy_engine"`` (staged in this rank's
             combine area over ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
@@ -899,8 +901,8 @@ class NvlinkTransport:
         copy_share: with ``bulk="copy_engine"``, the share of a dispatch's rows that the copy engines move:
             for a peer that gets ``n`` rows, rows ``0 .. ceil(copy_share * n)-1`` of x; the SMs push the rest at
             the same time (both paths then share NVLink; 1.0: copy engines only, but the holes). An FP8 dispatch
-            that quantizes here stages the prefix's rows (its tokens rounded up to whole rounds of the programs)
-            and its last launch pushes the later tokens' rows.
+            that quantizes here with ``quantized_rows_by="copy_engine"`` stages the prefix's rows (its tokens
+            rounded up to whole rounds of the programs) and its last launch pushes the later tokens' rows.
         combine_copy_share: the same for a combine: the copy engines move the first ``ceil(combine_copy_share
             * n)`` of the ``n`` rows received from each source, the SMs push the rest before the sum starts
             (on 2 H200s 1.0 was fastest: the SMs are better used summing the chunks as they land).
@@ -938,6 +940,7 @@ class NvlinkTransport:
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = None  # by num_sms: default_combine_chunks
         self.stage_chunks = 4
+        self.quantized_rows_by = "sm"
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
@@ -1212,7 +1215,8 @@ class NvlinkTransport:
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
         copies = self.bulk == "copy_engine"
-        staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
+        pushed = copies and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
+        staged = copies and quantize and not pushed  # FP8 made here: the peers' rows are staged, then copied
         key = (("stage", self.stage_chunks, self.copy_share, self._stage_round()) if staged
                else ("dispatch", self.copy_share))
         if copies and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
@@ -1242,7 +1246,7 @@ class NvlinkTransport:
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False, first=True):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False, first=True, wait_copies=copies):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -1255,7 +1259,7 @@ class NvlinkTransport:
                 self.offsets["src"], self.offsets["signals"], self.offsets["copied"],
                 copied if copied is not None else self._none_copied, fill_from, self.timeout_ns, self.offsets["cx"],
                 t_begin, t_end, int(first),
-                X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
+                X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=wait_copies,
                 STAGE=stage, SYNC=sync, GATE=cached is not None, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
@@ -1300,10 +1304,13 @@ class NvlinkTransport:
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
                                    for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
                                 after=inputs_ready)
+        elif pushed:  # every row from the SMs, on the rows the copy-engine dispatches of this layout use
+            pos = self._dispatch_split(plans, is_token_in_rank).pos
+            launch(0, T, sync=True, wait_copies=False)
         else:
             launch(0, T, sync=True)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
-        if copies:
+        if copies and not pushed:
             torch.cuda.current_stream(self.device).wait_event(copied)
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
