@@ -186,7 +186,7 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share, chunks, stage) for n in args.transports if n.startswith("nvlink")
+    graph_cases = [(n, P, share, chunks, stage, mover) for n in args.transports if n.startswith("nvlink")
                    for P in args.comm_sms
                    for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
                    for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])

@@ -1296,6 +1296,9 @@ class NvlinkTransport:
             else:  # nothing staged: the peers still wait for this rank's copy-done flag
                 launch(0, T, sync=True, copied=split.copied, first=True)
                 copied = self._copy([([], 0, peers)], 0, after=inputs_ready)
+        elif pushed:  # every row from the SMs, on the rows the copy-engine dispatches of this layout use
+            pos = self._dispatch_split(plans, is_token_in_rank).pos
+            launch(0, T, sync=True, wait_copies=False)
         elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
@@ -1304,9 +1307,6 @@ class NvlinkTransport:
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
                                    for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
                                 after=inputs_ready)
-        elif pushed:  # every row from the SMs, on the rows the copy-engine dispatches of this layout use
-            pos = self._dispatch_split(plans, is_token_in_rank).pos
-            launch(0, T, sync=True, wait_copies=False)
         else:
             launch(0, T, sync=True)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
