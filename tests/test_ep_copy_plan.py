@@ -241,3 +241,12 @@ def test_fp8_staging_refuses_a_bad_chunk_count_and_rows_past_the_area():
     tr.stage_chunks = 2
     with pytest.raises(EPError, match="past the end"):
         tr._stage_split(layout(10, 2, send_start=[0, 15]), in_rank)
+
+
+def test_quantized_rows_by_is_checked_before_any_launch():
+    tr = transport(0, 2, max_tokens=10)
+    tr.hidden, tr.max_topk, tr.bulk = 256, 8, "copy_engine"
+    tr.quantized_rows_by = "copy engines"
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantized_rows_by must be one of"):
+        tr.dispatch(x, None, None, None, torch.ones(4, 2, dtype=torch.bool), 4, quantize=True)

@@ -1216,6 +1216,8 @@ class NvlinkTransport:
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
         copies = self.bulk == "copy_engine"
+        if self.quantized_rows_by not in BULK_MOVERS:
+            raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
         pushed = copies and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
         staged = copies and quantize and not pushed  # FP8 made here: the peers' rows are staged, then copied
         key = (("stage", self.stage_chunks, self.copy_share, self._stage_round()) if staged
