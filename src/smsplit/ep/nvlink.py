@@ -886,9 +886,10 @@ class NvlinkTransport:
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
             peers' copy-done flags). An FP8 dispatch that quantizes here (``quantize``) has its rows moved as the
             attribute ``quantized_rows_by`` says: ``"sm"`` (the default: the kernel pushes every row as it
-            quantizes it, on the rows the copy-engine dispatches of the layout use; on 2 H200s at 20 SMs, replayed,
-            116.7-130.1 us against 156.7-162.4 staged, BENCHMARKS.md §2 session 23) or ``"copy_engine"`` (staged in this rank's
-            combine area over ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
+            quantizes it, on the rows the copy-engine dispatches of the layout use; on 2 H200s at 20 SMs,
+            replayed, 116.7-130.1 us against 156.7-162.4 staged, BENCHMARKS.md §2 session 23) or
+            ``"copy_engine"`` (staged in this rank's combine area over ``stage_chunks`` launches, each followed
+            by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
             be captured in a CUDA graph; `plan` makes every plan at once). The copied rows of x include tokens
