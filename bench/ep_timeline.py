@@ -37,10 +37,10 @@ CALLS = ("dispatch_bf16", "dispatch_fp8_input", "dispatch_fp8", "combine")
 
 
 @triton.jit
-def observe_kernel(probe_ptr, flag_ptr, seen_ptr, out_ptr, timeout_ns):
+def observe_kernel(probe_ptr, flag_ptr, seen_ptr, out_ptr, timeout_ns, WAIT_FLAG: tl.constexpr):
     """``out[0]``: the clock at the start; ``out[1]``: when the int32 at ``probe_ptr`` is no longer -1 (-1 if never,
-    within ``timeout_ns``); ``out[2]``: when ``*flag_ptr`` reaches ``*seen_ptr + 1`` (the value the call's
-    kernel waits for)."""
+    within ``timeout_ns``); ``out[2]``, with WAIT_FLAG: when ``*flag_ptr`` reaches ``*seen_ptr + 1`` (the value the
+    call's kernel waits for)."""
     start = ptx.globaltimer()
     tl.store(out_ptr, start)
     target = tl.load(seen_ptr, volatile=True) + 1
@@ -48,9 +48,10 @@ def observe_kernel(probe_ptr, flag_ptr, seen_ptr, out_ptr, timeout_ns):
     while (tl.load(probe_ptr, volatile=True) == -1) & (now - start < timeout_ns):
         now = ptx.globaltimer()
     tl.store(out_ptr + 1, tl.where(now - start < timeout_ns, now, -1))
-    seen = ptx.wait_geq_sys(flag_ptr, target, timeout_ns)
-    tl.debug_barrier()
-    tl.store(out_ptr + 2, tl.where(seen >= target, ptx.globaltimer(), -1))
+    if WAIT_FLAG:
+        seen = ptx.wait_geq_sys(flag_ptr, target, timeout_ns)
+        tl.debug_barrier()
+        tl.store(out_ptr + 2, tl.where(seen >= target, ptx.globaltimer(), -1))
 
 
 def worker(rank, world, port, args, queue):
@@ -84,6 +85,9 @@ def worker(rank, world, port, args, queue):
                 flag_off = tr.offsets["copied"] + 4 * peer
                 seen = tr.state[COPIES_WORD.value:]
             assert flag_off < tr.offsets["copied"] + 4 * (1 + MAX_CHUNKS) * R
+            # an FP8 dispatch whose kernel pushes its rows has no copy, so no copy-done flag: its first row's
+            # arrival is the kernel's first store there
+            has_flag = not (name == "dispatch_fp8" and tr.quantized_rows_by == "sm")
             probe = tr.buffer[probe_off: probe_off + 16].view(torch.int32)
             flag = tr.buffer[flag_off: flag_off + 4].view(torch.int32)
             call = {"dispatch_bf16": lambda trace: tr.dispatch(x, None, topk, weights, in_rank, num_local,
@@ -101,7 +105,7 @@ def worker(rank, world, port, args, queue):
                 together.barrier()  # in the graph: the observer starts as the ranks meet
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    observe_kernel[(1,)](probe, flag, seen, obs, int(2e9), num_warps=1)
+                    observe_kernel[(1,)](probe, flag, seen, obs, int(2e9), WAIT_FLAG=has_flag, num_warps=1)
                 out = call(trace)
                 torch.cuda.current_stream().wait_stream(side)
                 return out
@@ -119,7 +123,7 @@ def worker(rank, world, port, args, queue):
                 t0 = o[0]
                 samples.append({"event_us": event_us,
                                 "copy_start_us": (o[1] - t0) / 1e3 if o[1] > 0 else None,
-                                "flag_us": (o[2] - t0) / 1e3 if o[2] > 0 else None,
+                                "flag_us": (o[2] - t0) / 1e3 if has_flag and o[2] > 0 else None,
                                 "kernel_start_us": (rec[:, 1].min() - t0) / 1e3,
                                 "kernel_end_us": (rec[:, 2].max() - t0) / 1e3,
                                 "launches": len(rec) // P})
@@ -130,7 +134,7 @@ def worker(rank, world, port, args, queue):
                 return statistics.median(seen_values) if seen_values else None
             med = {key: median(key) for key in ("event_us", "copy_start_us", "flag_us", "kernel_start_us",
                                                 "kernel_end_us")}
-            med["missing"] = sum(s["copy_start_us"] is None or s["flag_us"] is None for s in samples)
+            med["missing"] = sum(s["copy_start_us"] is None or (has_flag and s["flag_us"] is None) for s in samples)
             row = {"rank": rank, "comm_sms": P, "call": name, "launches": samples[0]["launches"], **med}
             if name == "combine":
                 row["combine_chunks"] = list(tr.combine_chunks)

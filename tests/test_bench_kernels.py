@@ -77,9 +77,12 @@ def test_ep_timeline_observer_polls_the_probe_uncached_then_waits_for_the_flag()
     import ep_timeline
 
     sig = {"probe_ptr": "*i32", "flag_ptr": "*i32", "seen_ptr": "*i32", "out_ptr": "*i64", "timeout_ns": "i64"}
-    text, _ = ptx.compile_for_sm90(ep_timeline.observe_kernel, sig, num_warps=1)
+    sig["WAIT_FLAG"] = "constexpr"
+    text, _ = ptx.compile_for_sm90(ep_timeline.observe_kernel, sig, {"WAIT_FLAG": True}, num_warps=1)
     assert "ld.volatile.global" in text and text.count("ld.acquire.sys.global.b32") == 1
     assert text.count("%globaltimer") >= 4
+    no_flag, _ = ptx.compile_for_sm90(ep_timeline.observe_kernel, sig, {"WAIT_FLAG": False}, num_warps=1)
+    assert "ld.acquire.sys.global.b32" not in no_flag
 
 
 def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_clock():
