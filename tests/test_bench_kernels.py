@@ -1,5 +1,5 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
-`bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+`bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/nvlink_store_width.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
 the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
@@ -83,6 +83,24 @@ def test_ep_timeline_observer_polls_the_probe_uncached_then_waits_for_the_flag()
     assert text.count("%globaltimer") >= 4
     no_flag, _ = ptx.compile_for_sm90(ep_timeline.observe_kernel, sig, {"WAIT_FLAG": False}, num_warps=1)
     assert "ld.acquire.sys.global.b32" not in no_flag
+
+
+def test_store_width_kernel_stores_16_or_8_bytes_as_asked():
+    import nvlink_store_width
+
+    sig = {"src_ptr": "*i32", "peer_ptr": "*i32", "own_ptr": "*i32", "n_vec": "i32", "WIDE": "constexpr",
+           "OWN": "constexpr", "BLOCK": "constexpr"}
+    aligned = ["src_ptr", "peer_ptr", "own_ptr"]
+    for wide in (True, False):
+        for own in (False, True):
+            text, _ = ptx.compile_for_sm90(nvlink_store_width.push_kernel, sig, {"WIDE": wide, "OWN": own,
+                                                                                  "BLOCK": 2048},
+                                           num_warps=16, aligned=aligned)
+            stores = ptx.INSTRUCTIONS["st_global_na_v4" if wide else "st_global_na_v2"]
+            other = ptx.INSTRUCTIONS["st_global_na_v2" if wide else "st_global_na_v4"]
+            per_thread = 2048 // (32 * 16)  # vectors each thread loads per step
+            assert text.count(stores) == per_thread * (1 if wide else 2) * (2 if own else 1) and other not in text
+            assert ptx.INSTRUCTIONS["ld_global_nc_v4"] in text
 
 
 def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_clock():
