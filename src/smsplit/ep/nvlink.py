@@ -12,8 +12,9 @@ stream, both device-only (no host synchronization when the receive size is fixed
    128 values) and stores it, its top-k (as the destination's local expert ids), weights and source
    index into every destination's receive area with 16-byte stores. Then it signals each destination
    with a release add and waits until every program of every source has signalled it. With
-   ``bulk="copy_engine"`` one copy-engine copy per peer moves the first rows of x instead (`_prefix_plan`;
-   FP8 made here is staged in this rank's buffer first) and the programs move the rest.
+   ``bulk="copy_engine"`` one copy-engine copy per peer moves the first rows of x instead (`_prefix_plan`)
+   and the programs move the rest; rows quantized to FP8 here are pushed by the programs onto the same rows
+   (or, with ``quantized_rows_by="copy_engine"``, staged in this rank's buffer and copied).
 
 A combine first waits until every peer has summed the previous combine (so two combines in a row keep their
 rows), pushes each received row back into its source's combine area (one slot per expert rank and
@@ -82,8 +83,9 @@ COPIES_WORD = tl.constexpr(8)
 # combine area (the peer has summed the previous ones; the peer's last combine program adds 1, this rank's copy
 # stream waits for 1 and stores 0 before its copies)
 # slot STARTED_SLOT word [s] the dispatches rank s has started (its first launch's program 0 adds 1 on every rank),
-# slot X_FREE_SLOT (bulk="copy_engine") word [s] 1 once rank s has started a dispatch: this rank's copy stream
-# waits for 1 and stores 0 before its dispatch copies into s's receive area
+# slot X_FREE_SLOT (bulk="copy_engine") word [s] 1 once rank s has started a dispatch that copies (not one whose
+# kernel pushes every row): this rank's copy stream waits for 1 and stores 0 before its dispatch copies into s's
+# receive area
 SUMMED_SLOT = tl.constexpr(3)
 FREE_SLOT = tl.constexpr(4)
 STARTED_SLOT = tl.constexpr(5)
@@ -888,11 +890,11 @@ class NvlinkTransport:
             received from each source back into its combine area; the kernels
             move this rank's own rows, top-k, weights and source indices, sum, and wait, bounded, for the
             peers' copy-done flags). An FP8 dispatch that quantizes here (``quantize``) has its rows moved as the
-            attribute ``quantized_rows_by`` says: ``"sm"`` (the default: the kernel pushes every row as it
-            quantizes it, on the rows the copy-engine dispatches of the layout use; on 2 H200s at 20 SMs,
-            replayed, 116.7-130.1 us against 156.7-162.4 staged, BENCHMARKS.md §2 session 23) or
-            ``"copy_engine"`` (staged in this rank's combine area over ``stage_chunks`` launches, each followed
-            by copy-engine copies of what it staged).
+            attribute ``quantized_rows_by`` (the same on every rank, as every attribute here) says: ``"sm"``
+            (the default: the kernel pushes every row as it quantizes it, on the rows the copy-engine dispatches
+            of the layout use; on 2 H200s at 20 SMs, replayed, 116.7-130.1 us against 156.7-162.4 staged,
+            BENCHMARKS.md §2 session 23) or ``"copy_engine"`` (staged in this rank's combine area over
+            ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
             be captured in a CUDA graph; `plan` makes every plan at once). The copied rows of x include tokens
@@ -1054,11 +1056,13 @@ class NvlinkTransport:
 
     def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> None:
         """With ``bulk="copy_engine"``: make every host plan of ``layout`` for the current shares and chunkings
-        (dispatch, FP8 staging, combine; host reads, a synchronization), so that dispatches with ``cached=layout``
-        and combines of its rows can then be captured in a CUDA graph."""
+        (dispatch, FP8 staging when ``quantized_rows_by`` is "copy_engine", combine; host reads, a
+        synchronization), so that dispatches with ``cached=layout`` and combines of its rows can then be captured in
+        a CUDA graph."""
         if self.bulk == "copy_engine":
             self._dispatch_split(layout, is_token_in_rank)
-            self._stage_split(layout, is_token_in_rank)
+            if self.quantized_rows_by == "copy_engine":
+                self._stage_split(layout, is_token_in_rank)
             self._combine_split(layout)
 
     @property
