@@ -472,13 +472,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     time (`quantize_chunk`).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
-    ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens from ``fill_from``
-    on). WAIT_COPIES: also wait until every peer's copy stream has raised its copy-done flag here
+    ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens ``fill_from <= t <
+    fill_to``). WAIT_COPIES: also wait until every peer's copy stream has raised its copy-done flag here
     (``copied`` flags) once more than seen so far.
 
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
-    to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` on), which without
+    to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` to ``fill_to``), which without
     STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the
     launch signals every destination, waits for every source (and, with WAIT_COPIES, the copy-done flags), writes
     the padding rows and ends the phase; a dispatch in several launches makes only its last one SYNC, and a launch
