@@ -63,8 +63,8 @@ def stage_launch_args(s, tb, quantize, qg=8):
     positional = (
         x if quantize else x.view(torch.uint8).view(torch.int32), s["layout"], s["topk"], s["weights"], s["pos"],
         s["layout"], s["bases"], s["state"], s["status"].data_ptr(), T, H, K, R, 0, s["num_local"], 0,
-        o["x"], o["scales"], o["topk"], o["weights"], o["src"], o["signals"], o["copied"], s["copied"], T,
-        int(1e9), o["cx"], 0, T, 0)
+        o["x"], o["scales"], o["topk"], o["weights"], o["src"], o["signals"], o["copied"], s["copied"], T, T,
+        int(1e9), o["cx"], 0, T, 0)  # (fill_from = fill_to = T: no hole fillers)
     keyword = dict(
         X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False, GATE=False,
         HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * x_bytes // 16), GROUPS=nvlink._pow2(H // 128),

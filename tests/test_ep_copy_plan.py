@@ -86,7 +86,7 @@ def test_dispatch_split_per_peer(num_ranks, rank):
     for share in (1.0, 0.7, 0.0):
         tr = transport(rank, num_ranks, max_tokens=200, copy_share=share)
         split = tr._dispatch_split(layout(T, num_ranks, send_start=send_start), in_rank)
-        copies, fill_from = [], T
+        copies, fill_from, fill_to = [], T, 0
         for d in range(num_ranks):
             flags = in_rank[:, d].tolist()
             if d == rank:  # own rows: the SMs, token order
@@ -99,7 +99,10 @@ def test_dispatch_split_per_peer(num_ranks, rank):
                 copies.append((d, m, send_start[d]))
                 if not all(flags[:m]):
                     fill_from = min(fill_from, m)
+                    fill_to = max(fill_to, 1 + max(t for t, row in rows.items() if t >= m and row < m))
+        # the hole fillers lie in [fill_from, fill_to): the kernels quantize and store only those tokens twice
         assert split.copies == copies and split.fill_from == fill_from
+        assert split.fill_to == (fill_to if fill_from < T else T)
         assert any(m for _, m, _ in copies) == (share > 0)  # the dense peers' prefixes are copied
 
 

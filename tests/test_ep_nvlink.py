@@ -20,7 +20,7 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
             "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
             "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "off_copied": "i64", "copied_ptr": "*i32", "fill_from": "i32", "timeout_ns": "i64",
+            "sig_off": "i64", "off_copied": "i64", "copied_ptr": "*i32", "fill_from": "i32", "fill_to": "i32", "timeout_ns": "i64",
             "off_stage": "i64",
             "t_begin": "i32", "t_end": "i32", "first": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr",

@@ -406,24 +406,25 @@ def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, d
 
 
 @triton.jit
-def _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, stage_base, off_x,
+def _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, stage_base, off_x,
                         pid, programs, STAGE: tl.constexpr, X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr,
                         VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
                         QG: tl.constexpr):
-    """The rows of the tokens from ``fill_from`` on that fill holes of a copied prefix (`_prefix_plan`: token
+    """The rows of the tokens ``fill_from <= t < fill_to`` that fill holes of a copied prefix (`_prefix_plan`: token
     ``t >= copied[d]`` on a row ``p < copied[d]``), to the peer's receive rows or, with STAGE, to the same rows of this
     rank's staging area (``stage_base``), whose copies then carry them; QUANTIZE: in chunks of QG groups."""
     row_bytes = H * X_BYTES
-    for t0 in range(fill_from + pid * TB, T, programs * TB):
+    for t0 in range(fill_from + pid * TB, fill_to, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-            t, t < T, x_ptr, x_ptr, x_ptr, x_ptr, pos_ptr, H, 1, R,
+            t, t < fill_to, x_ptr, x_ptr, x_ptr, x_ptr, pos_ptr, H, 1, R,
             X_BYTES, QUANTIZE, False, False, False, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
         if QUANTIZE:
             t64 = t.to(tl.int64)[:, None]
             for g0 in range(0, H // 128, QG):
-                a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < T, g0, H, QG, TB)
-                q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t64, t < T, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG, TB)
+                a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < fill_to, g0, H, QG, TB)
+                q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t64, t < fill_to, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
+                                                   QG, TB)
                 lo, _ = chunk_halves(g0, QG)
                 _store_hole_rows(t, pos, lo, q0, q1, q2, q3, row_bytes, copied, dest_start, dest_base, stage_base,
                                  off_x, STAGE, RP, True)
@@ -455,10 +456,10 @@ def local_experts(topk, d, num_local_experts):
     return tl.where((topk >= 0) & (local >= 0) & (local < num_local_experts), local, -1)
 
 
-@triton.jit(do_not_specialize=["fill_from", "t_begin", "t_end", "trace_tag"])  # per-call values must not recompile
+@triton.jit(do_not_specialize=["fill_from", "fill_to", "t_begin", "t_end", "trace_tag"])  # per-call values must not recompile
 def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, bases_ptr, state_ptr,
                     status_addr, T, H, K, R, rank, num_local_experts, num_worst,
-                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, copied_ptr, fill_from,
+                    off_x, off_scales, off_topk, off_weights, off_src, sig_off, off_copied, copied_ptr, fill_from, fill_to,
                     timeout_ns, off_stage, t_begin, t_end, first,
                     X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
@@ -471,13 +472,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     time (`quantize_chunk`).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
-    ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens from ``fill_from``
-    on). WAIT_COPIES: also wait until every peer's copy stream has raised its copy-done flag here
+    ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens ``fill_from <= t <
+    fill_to``). WAIT_COPIES: also wait until every peer's copy stream has raised its copy-done flag here
     (``copied`` flags) once more than seen so far.
 
     A launch moves tokens ``t_begin <= t < t_end``. STAGE: the rows of x bound for a peer go to the same row of
     this rank's staging area (``off_stage``) instead, for copy engines to move (their scales and metadata still go
-    to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` on), which without
+    to the peer); the launch from token 0 first stages the rows that fill holes (``fill_from`` to ``fill_to``), which without
     STAGE the SYNC launch stores into the peers once this rank's copies have landed. SYNC: after its tokens the
     launch signals every destination, waits for every source (and, with WAIT_COPIES, the copy-done flags), writes
     the padding rows and ends the phase; a dispatch in several launches makes only its last one SYNC, and a launch
@@ -526,7 +527,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     copied = tl.load(copied_ptr + cols, mask=cols < R, other=0)
     if STAGE:
         if (t_begin == 0) & (fill_from < T):  # first, the hole fillers: the first copies carry their rows
-            _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
+            _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
                                 _pick(dest_base, cols, rank) + off_stage, off_x, pid, programs, True, X_BYTES,
                                 QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
     for t0 in range(t_begin + pid * TB, t_end, programs * TB):
@@ -583,7 +584,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     flag = (tl.load(bases_ptr + d) + off_copied).to(tl.pointer_type(tl.int32)) + rank
                     _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 6)
             tl.debug_barrier()
-            _store_hole_fillers(fill_from, T, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
+            _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
                                 programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
@@ -780,7 +781,8 @@ class DispatchSplit:
     Attributes:
         copies: ``[(peer, rows m, first row there)]``, rows ``0 .. m-1`` of x to that peer.
         copied: int32 device ``[R]``, m per rank (0 for this rank and peers the SMs serve).
-        fill_from: the first token that may fill a hole (``num_tokens``: no holes).
+        fill_from, fill_to: the tokens that fill holes lie in ``fill_from <= t < fill_to`` (both ``num_tokens``:
+            no holes).
         pos: int32 device ``[num_tokens, R]``, the rows (this rank's own column: token order).
         host_copied, host_pos, host_send_start: ``copied`` and ``pos`` as the host computed them (numpy) and where
             this rank's rows start on each rank (the layout's first ``R`` entries), for the FP8 staging plan
@@ -790,6 +792,7 @@ class DispatchSplit:
     copies: list
     copied: torch.Tensor
     fill_from: int
+    fill_to: int
     pos: torch.Tensor
     host_copied: np.ndarray
     host_pos: np.ndarray
@@ -1030,7 +1033,7 @@ class NvlinkTransport:
             in_rank = is_token_in_rank.cpu().numpy().astype(bool)
             pos = np.full((T, R), -1, np.int32)
             copied = np.zeros(R, np.int32)
-            copies, fill_from = [], T
+            copies, fill_from, fill_to = [], T, 0
             for d in range(R):
                 sent = int(in_rank[:, d].sum())
                 if d == self.rank:
@@ -1043,7 +1046,11 @@ class NvlinkTransport:
                     copies.append((d, int(copied[d]), int(send_start[d])))
                     if in_rank[: copied[d], d].sum() < copied[d]:  # holes: filled from token copied[d] on
                         fill_from = min(fill_from, int(copied[d]))
-            layout.splits[key] = DispatchSplit(copies, torch.from_numpy(copied).to(self.device), fill_from,
+                        fillers = np.nonzero((pos[copied[d]:, d] >= 0) & (pos[copied[d]:, d] < copied[d]))[0]
+                        if len(fillers):
+                            fill_to = max(fill_to, int(copied[d]) + int(fillers[-1]) + 1)
+            fill_to = fill_to if fill_from < T else T
+            layout.splits[key] = DispatchSplit(copies, torch.from_numpy(copied).to(self.device), fill_from, fill_to,
                                                torch.from_numpy(pos).to(self.device), copied, pos, send_start)
         return layout.splits[key]
 
@@ -1254,7 +1261,8 @@ class NvlinkTransport:
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, copied=None, fill_from=T, stage=False, first=True, wait_copies=copies):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T, fill_to=T, stage=False, first=True,
+                   wait_copies=copies):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -1265,7 +1273,8 @@ class NvlinkTransport:
                 self._status_addr(), T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
                 self.offsets["x"], self.offsets["scales"], self.offsets["topk"], self.offsets["weights"],
                 self.offsets["src"], self.offsets["signals"], self.offsets["copied"],
-                copied if copied is not None else self._none_copied, fill_from, self.timeout_ns, self.offsets["cx"],
+                copied if copied is not None else self._none_copied, fill_from, fill_to, self.timeout_ns,
+                self.offsets["cx"],
                 t_begin, t_end, int(first),
                 X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=wait_copies,
                 STAGE=stage, SYNC=sync, GATE=cached is not None, HAS_TOPK=topk_idx is not None,
@@ -1289,7 +1298,8 @@ class NvlinkTransport:
             pos = split.pos
             inputs_ready = torch.cuda.current_stream(self.device).record_event()
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
-                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from, stage=True,
+                launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from,
+                       fill_to=split.fill_to, stage=True,
                        first=c == 0)
                 staged_event = torch.cuda.current_stream(self.device).record_event()
                 if c == 0:
@@ -1311,7 +1321,7 @@ class NvlinkTransport:
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
             inputs_ready = torch.cuda.current_stream(self.device).record_event()
-            launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from)
+            launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from, fill_to=split.fill_to)
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
                                    for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
                                 after=inputs_ready)
