@@ -1257,16 +1257,17 @@ class NvlinkTransport:
                 raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
-        copies = self.bulk == "copy_engine"
+        planned = self.bulk == "copy_engine"  # the layout's rows are planned on the host
         if self.fp8_store_bytes not in (8, 16):
             raise ValueError(f"fp8_store_bytes must be 8 or 16, got {self.fp8_store_bytes!r}")
         if self.quantized_rows_by not in BULK_MOVERS:
             raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
-        pushed = copies and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
-        staged = copies and quantize and not pushed  # FP8 made here: the peers' rows are staged, then copied
+        pushed = planned and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
+        copies = planned and not pushed  # copy engines move rows; the kernels wait for their flags
+        staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
         key = (("stage", self.stage_chunks, self.copy_share, self._stage_round()) if staged
                else ("dispatch", self.copy_share))
-        if copies and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
+        if planned and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
             raise ValueError("bulk='copy_engine': a dispatch captured in a CUDA graph needs a cached layout that an "
                              "earlier dispatch has used (its copies are planned on the host)")
         torch.autograd.graph.increment_version(self.buffer)
@@ -1293,8 +1294,7 @@ class NvlinkTransport:
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
-        def launch(t_begin, t_end, sync, copied=None, fill_from=T, fill_to=T, stage=False, first=True,
-                   wait_copies=copies):
+        def launch(t_begin, t_end, sync, copied=None, fill_from=T, fill_to=T, stage=False, first=True):
             if trace is not None:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
@@ -1308,7 +1308,7 @@ class NvlinkTransport:
                 copied if copied is not None else self._none_copied, fill_from, fill_to, self.timeout_ns,
                 self.offsets["cx"],
                 t_begin, t_end, int(first),
-                X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=wait_copies,
+                X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, WAIT_COPIES=copies,
                 STAGE=stage, SYNC=sync, GATE=cached is not None, HAS_TOPK=topk_idx is not None,
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
@@ -1349,7 +1349,7 @@ class NvlinkTransport:
                 copied = self._copy([([], 0, peers)], 0, after=inputs_ready)
         elif pushed:  # every row from the SMs, on the rows the copy-engine dispatches of this layout use
             pos = self._dispatch_split(plans, is_token_in_rank).pos
-            launch(0, T, sync=True, wait_copies=False)
+            launch(0, T, sync=True)
         elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
@@ -1361,7 +1361,7 @@ class NvlinkTransport:
         else:
             launch(0, T, sync=True)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
-        if copies and not pushed:
+        if copies:
             torch.cuda.current_stream(self.device).wait_event(copied)
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
