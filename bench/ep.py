@@ -186,18 +186,16 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share, chunks, stage, mover, store_bytes) for n in args.transports if n.startswith("nvlink")
+    graph_cases = [(n, P, share, chunks, stage, mover) for n in args.transports if n.startswith("nvlink")
                    for P in args.comm_sms
                    for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
                    for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
                    for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])
-                   for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])
-                   for store_bytes in args.fp8_store_bytes]
-    for name, P, share, chunks, stage, mover, store_bytes in graph_cases:
+                   for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])]
+    for name, P, share, chunks, stage, mover in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
-        tr.fp8_store_bytes = store_bytes
         if share is not None:  # nvlink_copy_engine
             tr.copy_share = share
             tr.combine_chunks = chunks  # None: the transport's default for P SMs
@@ -219,7 +217,7 @@ def worker(rank, world, port, args, queue):
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
                "combine_chunks": tr.combine_chunks if share is not None else None,
                "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage, "quantized_rows_by": mover, "fp8_store_bytes": store_bytes}
+               "stage_chunks": stage, "quantized_rows_by": mover}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -233,7 +231,7 @@ def worker(rank, world, port, args, queue):
         if rank == 0:
             chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
             print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
-                  f"{'' if stage is None else f' stage {stage}'}{'' if mover is None else f' FP8 rows by {mover}'} {store_bytes}-byte FP8 stores in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+                  f"{'' if stage is None else f' stage {stage}'}{'' if mover is None else f' FP8 rows by {mover}'} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us (FP8 input {row['dispatch_fp8_input_graph_ms'] * 1e3:.1f}), combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
                   + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in calls)
@@ -401,9 +399,6 @@ def main():
     parser.add_argument("--quantized-rows-by", nargs="+", default=["sm"], choices=["sm", "copy_engine"],
                         help="nvlink_copy_engine: who moves the rows of an FP8 dispatch that quantizes, replayed from "
                              "CUDA graphs (sm: the kernel pushes them; copy_engine: staged, then copied)")
-    parser.add_argument("--fp8-store-bytes", type=int, nargs="+", default=[8], choices=[8, 16],
-                        help="nvlink transports: e4m3 rows quantized in the dispatch stored 8 bytes (each thread's "
-                             "halves) or 16 bytes (neighbouring threads swap a half) at a time, replayed from CUDA graphs")
     parser.add_argument("--stage-chunks", type=int, nargs="+", default=[4],
                         help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],

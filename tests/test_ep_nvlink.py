@@ -217,8 +217,6 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
             # FP8 quantized in the dispatch (cases 3 and 5): pushed onto the copy plan's rows, then staged
             transport.quantized_rows_by = ("sm", "copy_engine")[case // 5 % 2]
-        if kind in ("nvlink", "nvlink_copy_engine"):  # FP8 rows quantized in the dispatch (cases 3 and 5) in 16-byte
-            transport.fp8_store_bytes = 16  # stores here; the other tests keep the default 8
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         x_in, scales_in = quantize_1x128(xs[rank]) if quantize == "input" else (xs[rank], None)
@@ -1061,48 +1059,3 @@ def test_combine_sum_equals_fp32_sum_rounded_once(ranks):
     assert torch.isnan(out[:T].cpu().float()[nan]).all()
     assert torch.equal(out_w[:T].cpu(), expected_w)
     assert (out[T] == -7.0).all() and (out_w[T] == -7.0).all()
-
-
-def test_fp8_rows_in_16_byte_stores_swap_halves_between_neighbouring_lanes():
-    """``fp8_store_bytes=16``: each thread's two 8-byte halves of e4m3 bytes become one 16-byte store after a swap
-    with lane ``lane ^ 1``, which is right only if that lane holds the same group's next thread (``j ^ 1``): the
-    swapped values must be laid out with their innermost dimension over consecutive lanes, one element each."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {"x_ptr": "*bf16", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
-           "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
-           "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
-           "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-           "sig_off": "i64", "off_copied": "i64", "copied_ptr": "*i32", "fill_from": "i32", "fill_to": "i32",
-           "timeout_ns": "i64",
-           "off_stage": "i64", "t_begin": "i32", "t_end": "i32", "first": "i32", "X_BYTES": "constexpr",
-           "QUANTIZE": "constexpr", "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr",
-           "SYNC": "constexpr", "GATE": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr",
-           "VEC": "constexpr", "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr",
-           "QG": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32",
-           "WIDE_STORES": "constexpr"}
-    names = list(sig)
-    aligned = [n for n, k in sig.items() if k.startswith("*") or n.startswith("off_")] + ["H"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    texts = {}
-    for wide in (False, True):
-        consts = {"X_BYTES": 1, "QUANTIZE": True, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False,
-                  "SYNC": True, "GATE": True, "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 512, "GROUPS": 64,
-                  "KP": 16, "RP": 2, "TB": 16, "QG": 8, "TRACE": False, "WIDE_STORES": wide}
-        compiled = triton.compile(ASTSource(fn=nvlink.dispatch_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
-        texts[wide] = (compiled.asm["ptx"], compiled.asm["ttgir"])
-    (narrow, _), (wide_ptx, ttgir) = texts[False], texts[True]
-    shfl = ptx.INSTRUCTIONS["shfl_xor1_b32"]
-    assert shfl not in narrow and wide_ptx.count(shfl) >= 2
-    v4, v2 = ptx.INSTRUCTIONS["st_global_na_v4"], ptx.INSTRUCTIONS["st_global_na_v2"]
-    assert wide_ptx.count(v2) < narrow.count(v2) and wide_ptx.count(v4) > narrow.count(v4)
-    # the swap's operand: [TB, QG * 8] with every element of a row on its own lane, lanes in order
-    layouts = dict(re.findall(r"(#blocked\d*) = #ttg\.blocked<\{([^}]*)\}>", ttgir))
-    swaps = re.findall(r'tt\.elementwise_inline_asm "shfl\.sync\.bfly[^\n]*tensor<16x64xi32, (#blocked\d*)>', ttgir)
-    assert swaps, "no swap found in the TTGIR"
-    for name in set(swaps):
-        spec = layouts[name]
-        assert "sizePerThread = [1, 1]" in spec and "threadsPerWarp = [1, 32]" in spec and "order = [1, 0]" in spec, spec

@@ -58,12 +58,6 @@ def _add_pairs(a, b, out, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swap_neighbours(a, out, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    tl.store(out + i, ptx.shfl_xor1_b32(tl.load(a + i)))
-
-
-@triton.jit
 def _flags(flag, out):
     ptx.st_release_gpu(flag, 1)
     ptx.st_release_sys(flag + 1, 2)
@@ -97,8 +91,6 @@ def compiled():
         "flags": ptx.compile_for_sm90(_flags, {"flag": "*i32", "out": "*i32"}),
         "add_pairs": ptx.compile_for_sm90(_add_pairs, {"a": "*i32", "b": "*i32", "out": "*i32", "BLOCK": "constexpr"},
                                           {"BLOCK": 256}),
-        "swap": ptx.compile_for_sm90(_swap_neighbours, {"a": "*i32", "out": "*i32", "BLOCK": "constexpr"},
-                                     {"BLOCK": 128}),
         "quantize": ptx.compile_for_sm90(
             _quantize_vectors, {"src": "*i32", "dst": "*i32", "scales": "*fp32", "GROUPS": "constexpr"},
             {"GROUPS": 8},
@@ -127,7 +119,6 @@ KERNEL_OF = {
     "bf16x8_absmax_bits": "quantize",
     "e4m3x4_from_bf16x4": "quantize",
     "bf16x2_add_as_fp32": "add_pairs",
-    "shfl_xor1_b32": "swap",
 }
 
 

@@ -390,21 +390,6 @@ def wait_geq_sys(ptr, target, timeout_ns):
     )
 
 
-
-@triton.jit
-def shfl_xor1_b32(value):
-    """Each thread's int32 in exchange for that of lane ``lane ^ 1`` (``shfl.sync.bfly``, every lane of the warp
-    takes part: call it outside any branch). Which element a lane's value is depends on the tensor's layout: the
-    caller must know that the partner element sits in the next lane (its innermost dimension spread over lanes)."""
-    return tl.inline_asm_elementwise(
-        "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;",
-        "=r,r",
-        [value],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
-
 # The instruction each intrinsic must put into the PTX (checked by the compile tests).
 INSTRUCTIONS = {
     "smid": "%smid",
@@ -427,7 +412,6 @@ INSTRUCTIONS = {
     "fence_acq_rel_sys": "fence.acq_rel.sys",
     "fence_acq_rel_gpu": "fence.acq_rel.gpu",
     "wait_geq_sys": "nanosleep.u32",
-    "shfl_xor1_b32": "1, 0x1f, 0xffffffff;",  # (Triton's own reductions print their shuffles as "1, 31, -1")
 }
 
 

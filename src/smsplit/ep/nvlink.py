@@ -370,28 +370,6 @@ def chunk_halves(g0, QG: tl.constexpr):
 
 
 @triton.jit
-def chunk_quads(g0, QG: tl.constexpr):
-    """For `quantize_chunk`'s halves stored 16 bytes at a time: threads ``j`` and ``j ^ 1`` of a group (next to each
-    other in a warp) swap one half, so that an even ``j`` stores values ``8 j .. 8 j + 15`` of its group and an odd
-    ``j`` values ``64 + 8 (j - 1) ..``. Returns each element's word offset in the row and whether its ``j`` is odd
-    (``[1, QG * 8]`` each)."""
-    f = tl.arange(0, QG * 8)[None, :]
-    j = f % 8
-    odd = (j % 2) == 1
-    return 32 * (g0 + f // 8) + 2 * (j - j % 2) + 16 * (j % 2), odd
-
-
-@triton.jit
-def quads_from_halves(q0, q1, q2, q3, odd):
-    """The four words each thread stores at its `chunk_quads` offset: an even thread its first half and its
-    neighbour's, an odd one its neighbour's second half and its own (`ptx.shfl_xor1_b32`; every thread of the warp
-    runs this)."""
-    r0 = ptx.shfl_xor1_b32(tl.where(odd, q0, q2))
-    r1 = ptx.shfl_xor1_b32(tl.where(odd, q1, q3))
-    return tl.where(odd, r0, q0), tl.where(odd, r1, q1), tl.where(odd, q2, r0), tl.where(odd, q3, r1)
-
-
-@triton.jit
 def store_chunk_scales(dst_s, g0, scale, mask, n_groups, QG: tl.constexpr, TB: tl.constexpr):
     """Store the scales ``[TB, QG]`` of groups ``g0 ..`` that `quantize_chunk` returns at ``dst_s + g`` (``dst_s``:
     fp32 pointers ``[TB, 1]`` to the rows' first scales; ``mask`` ``[TB, 1]``), each by the first of its group's 8
@@ -487,8 +465,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                    TB: tl.constexpr, QG: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag,
-                    WIDE_STORES: tl.constexpr = False):
+                    TB: tl.constexpr, QG: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128, QG groups of 128 at a
@@ -588,9 +565,6 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                 q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
                                                         QG, TB)
                 lo, hi = chunk_halves(g0, QG)  # the word offsets of each thread's two 8-byte halves
-                if WIDE_STORES:  # 16-byte stores: neighbouring threads swap a half
-                    quad, odd = chunk_quads(g0, QG)
-                    v0, v1, v2, v3 = quads_from_halves(q0, q1, q2, q3, odd)
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
                     ok = (p >= 0)[:, None]
@@ -598,11 +572,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     base = _pick(dest_base, cols, d)
                     dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
                                        row_bytes, STAGE)
-                    if WIDE_STORES:
-                        ptx.st_global_na_v4(dst + quad, v0, v1, v2, v3, ok & keep & (quad < row_bytes // 4))
-                    else:
-                        ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
-                        ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
+                    ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
+                    ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
                     dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                     store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
     if SYNC and not STAGE:
@@ -977,7 +948,6 @@ class NvlinkTransport:
         self.combine_chunks = None  # by num_sms: default_combine_chunks
         self.stage_chunks = 4
         self.quantized_rows_by = "sm"
-        self.fp8_store_bytes = 8  # e4m3 rows quantized here: 8-byte stores of each thread's halves, or 16
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
@@ -1258,8 +1228,6 @@ class NvlinkTransport:
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
         planned = self.bulk == "copy_engine"  # the layout's rows are planned on the host
-        if self.fp8_store_bytes not in (8, 16):
-            raise ValueError(f"fp8_store_bytes must be 8 or 16, got {self.fp8_store_bytes!r}")
         if self.quantized_rows_by not in BULK_MOVERS:
             raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
         pushed = planned and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
@@ -1314,8 +1282,7 @@ class NvlinkTransport:
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
                 TRACE=trace is not None,
-                trace_ptr=trace_view, trace_tag=tag, WIDE_STORES=self.fp8_store_bytes == 16,
-                num_warps=self.num_warps,
+                trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
 
         row_bytes = H * x_bytes
