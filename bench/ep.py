@@ -92,6 +92,7 @@ def worker(rank, world, port, args, queue):
                                                            combine_copy_share=args.combine_copy_share)
     for tr in transports.values():
         tr.quantize_tokens_per_step, tr.quantize_groups_per_step = args.quantize_step
+        tr.num_warps = args.num_warps
     if "copy_engine" in args.transports:
         transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
                                                         max_tokens=T, hidden=H, max_topk=K,
@@ -217,7 +218,7 @@ def worker(rank, world, port, args, queue):
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
                "combine_chunks": tr.combine_chunks if share is not None else None,
                "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage, "quantized_rows_by": mover}
+               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -403,6 +404,8 @@ def main():
                         help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
     parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
                         help="nvlink_copy_engine: dispatch shares replayed from CUDA graphs")
+    parser.add_argument("--num-warps", type=int, default=16,
+                        help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
     res = run_ranks(worker, args.world, args)
