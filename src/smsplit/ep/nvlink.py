@@ -130,6 +130,14 @@ def _failed_before(state_ptr):
 
 
 @triton.jit
+def _free_copy_stream(words, R):
+    """Set this rank's R words at ``words`` (its FREE_SLOT or X_FREE_SLOT, one per peer) to 1 on an error path: its
+    copy stream waits for them unbounded (cuStreamWaitValue32), so a kernel that gives up frees it, never a hang."""
+    for d in range(R):
+        ptx.st_release_sys(words.to(tl.pointer_type(tl.int32)) + d, 1)
+
+
+@triton.jit
 def _signal_all(bases_ptr, sig_off, rank, R):
     """Release-add 1 to ``signal[rank]`` of every peer (thread 0), after this program's stores."""
     tl.debug_barrier()
@@ -498,9 +506,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     own = tl.load(bases_ptr + rank)
     if _failed_before(state_ptr):
         if WAIT_COPIES:
-            if pid == 0:  # free this rank's copy stream, which waits for the peers' X_FREE words unbounded
-                for d in range(R):
-                    ptx.st_release_sys((own + sig_off + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+            if pid == 0:
+                _free_copy_stream(own + sig_off + X_FREE_SLOT * 64, R)
         return
     if (first != 0) & (pid == 0):  # after this rank's earlier work on the stream (reads of the last results)
         for d in range(R):
@@ -618,9 +625,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         if _finish(state_ptr, 1, expected, programs, programs, copies_seen, COPIES_WORD):
             tl.store(state_ptr + FINISHED_WORD, finished + 1)
     if WAIT_COPIES:
-        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free this rank's copy stream,
-            for d in range(R):  # which waits for the peers' X_FREE words unbounded (cuStreamWaitValue32)
-                ptx.st_release_sys((own + sig_off + X_FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed
+            _free_copy_stream(own + sig_off + X_FREE_SLOT * 64, R)
     if TRACE:
         record_block(trace_ptr, trace_tag, t_start)
 
@@ -653,18 +659,16 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     own = tl.load(bases_ptr + rank)
     if _failed_before(state_ptr):
         if WAIT_COPIES:
-            if pid == 0:  # free this rank's copy stream, which waits for the peers' sums unbounded
-                for d in range(R):
-                    tl.store((own + sig_off + FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+            if pid == 0:
+                _free_copy_stream(own + sig_off + FREE_SLOT * 64, R)
         return
     # every peer has summed the previous combine (its programs' SUMMED_SLOT signals): its combine area
     # and chunk ends are free to overwrite (two combines in a row, no dispatch between)
     _wait_for_ranks((own + sig_off + SUMMED_SLOT * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 1, expected,
                     timeout_ns, status_ptr, fail_ptr, 8)
     if WAIT_COPIES:
-        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed: free the copy stream, which
-            for d in range(R):  # waits for the same sums unbounded (cuStreamWaitValue32), so that it never hangs
-                tl.store((own + sig_off + FREE_SLOT * 64).to(tl.pointer_type(tl.int32)) + d, 1)
+        if (pid == 0) & (tl.load(fail_ptr, volatile=True) != 0):  # a wait failed
+            _free_copy_stream(own + sig_off + FREE_SLOT * 64, R)
     vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
     vmask = vec < n_vec
