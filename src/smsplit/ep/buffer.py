@@ -128,7 +128,10 @@ class Buffer:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_sms: int = 20,
-                 budget=None, backend: str = "auto", timeout_s: float = 60.0) -> None:
+                 budget=None, backend: str = "auto", timeout_s: float = 60.0, *, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, comm=None) -> None:
         """
         Create the buffer; collective over `group`.
 
@@ -151,7 +154,19 @@ class Buffer:
                 an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.
                 "nvlink" and "nvlink_copy_engine" can be captured in CUDA graphs (see `dispatch`).
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
+
+        DeepEP's other constructor arguments, by keyword only (the third positional argument here is `num_sms`,
+        DeepEP's is `num_rdma_bytes`):
+            num_rdma_bytes: must be 0 (intranode only).
+            low_latency_mode: must be False (no low-latency kernels).
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, comm: accepted and ignored (they
+                configure DeepEP's RDMA and low-latency paths).
+            explicitly_destroy: accepted; `destroy` works either way.
         """
+        if num_rdma_bytes != 0:
+            raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
+        if low_latency_mode:
+            raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist here")
         if group is None:
             group = dist.group.WORLD
         if backend not in BACKENDS:
@@ -183,6 +198,7 @@ class Buffer:
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
         self._round = 0
+        self._destroyed = False
 
         header = self._header(OP_INIT)
         header[:, H_NVL_BYTES] = num_nvl_bytes
@@ -236,9 +252,22 @@ class Buffer:
 
     # -- events ----------------------------------------------------------------------------------------------
 
-    def capture(self) -> EventOverlap:
-        """An event on the current stream of this buffer's device (an empty EventOverlap on CPU)."""
-        return EventOverlap.record_current_stream(self.device)
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current CUDA stream (an empty EventOverlap without CUDA); `Buffer.capture()` or
+        `buffer.capture()`, as in DeepEP."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        return EventOverlap.record_current_stream(torch.device("cuda", torch.cuda.current_device()))
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise EPError(f"rank {self.rank}: this Buffer was destroyed (Buffer.destroy)")
+
+    def destroy(self) -> None:
+        """End this buffer: later calls raise `EPError`. Its memory is released when the object is collected (no
+        collective here: it needs no peer)."""
+        self._destroyed = True
 
     # -- layout ----------------------------------------------------------------------------------------------
 
@@ -267,6 +296,7 @@ class Buffer:
         _check_int("num_experts", num_experts, 1)
         if num_experts % self.group_size:
             raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
+        self._check_alive()
         self._check_topk_idx(topk_idx, None, num_experts, values=not self._capturing())
         self._wait_previous(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
@@ -281,7 +311,7 @@ class Buffer:
                  is_token_in_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_expert: Optional[torch.Tensor] = None,
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False, fp8: bool = False, dequantize: bool = False) \
             -> Tuple[Tensorish, Optional[torch.Tensor], Optional[torch.Tensor], Optional[List[int]],
@@ -314,6 +344,8 @@ class Buffer:
                 empty list; the nvlink backend then needs no host synchronization and can be captured in a CUDA
                 graph, and so can the nvlink_copy_engine backend in the cached mode (`handle` of an eager dispatch,
                 which planned the copies on the host). Must be at least the number of tokens this rank receives.
+            config: accepted for DeepEP compatibility (its `Config`) and ignored: the transports tune themselves
+                (`num_sms`, `budget`).
             previous_event: the event to wait for before communicating.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
@@ -340,6 +372,7 @@ class Buffer:
             handle: the layout, for `combine`, cached dispatches and backward (the same handle in the cached mode).
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
+        self._check_alive()
         fields = dict(handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                       num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                       num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
@@ -510,7 +543,7 @@ class Buffer:
     # -- combine ---------------------------------------------------------------------------------------------
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config=None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) \
             -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
@@ -525,6 +558,7 @@ class Buffer:
             handle: the handle returned by the dispatch being reversed.
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
+            config: accepted for DeepEP compatibility (its `Config`) and ignored.
             previous_event: the event to wait for before communicating.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
@@ -537,6 +571,7 @@ class Buffer:
             combined_topk_weights: `[num_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
+        self._check_alive()
         biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
         if torch.is_grad_enabled() and needs_grad:

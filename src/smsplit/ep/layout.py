@@ -138,6 +138,15 @@ class DispatchHandle:
     num_local_experts: int
     transport_state: Any = None
 
+    def __getitem__(self, index: int):
+        """DeepEP's intranode handle is a tuple ``(rank_prefix_matrix, channel_prefix_matrix,
+        recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``: the same indices work here, with
+        None for the three that describe DeepEP's channels (none here)."""
+        return (self.rank_prefix_matrix, None, None, self.recv_src_idx, self.is_token_in_rank, None)[index]
+
+    def __len__(self) -> int:
+        return 6
+
     @property
     def num_tokens(self) -> int:
         """The number of tokens on this rank before dispatch (the rows `combine` returns)."""
