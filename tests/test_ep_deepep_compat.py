@@ -70,6 +70,37 @@ def deepep_style_calls(rank, world_size):
     return int(sources[-1])
 
 
+def previous_event_first(rank, world_size):
+    """Each call waits for `previous_event` before it reads its inputs on the host (they may come from the stream
+    the event was recorded on)."""
+    order = []
+
+    class Recording(EventOverlap):
+        def current_stream_wait(self):
+            order.append("wait")
+
+    buffer = Buffer(dist.group.WORLD, timeout_s=30)
+    for name in ("_check_topk_idx", "_check_dispatch", "_check_combine"):
+        check = getattr(buffer, name)
+        setattr(buffer, name, lambda *args, _check=check, _name=name, **kwargs: (order.append(_name),
+                                                                                  _check(*args, **kwargs))[1])
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOPK]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS, previous_event=Recording())
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                 previous_event=Recording())
+    buffer.combine(recv_x, handle, previous_event=Recording())
+    # (the dispatch's checks include the top-k check)
+    assert order == ["wait", "_check_topk_idx", "wait", "_check_dispatch", "_check_topk_idx",
+                     "wait", "_check_combine"], order
+
+
+def test_calls_wait_for_previous_event_before_reading_inputs():
+    gloo_pool(2).run(previous_event_first)
+
+
 def test_deepep_style_code_runs_after_an_import_change():
     received = gloo_pool(2).run(deepep_style_calls)
     assert all(n > 0 for n in received)

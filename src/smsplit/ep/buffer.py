@@ -166,7 +166,8 @@ class Buffer:
         if num_rdma_bytes != 0:
             raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
         if low_latency_mode:
-            raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist here")
+            raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist "
+                                              "here")
         if group is None:
             group = dist.group.WORLD
         if backend not in BACKENDS:
@@ -297,8 +298,8 @@ class Buffer:
         if num_experts % self.group_size:
             raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
         self._check_alive()
+        self._wait_previous(previous_event)  # before reading topk_idx on the host: it may come from another stream
         self._check_topk_idx(topk_idx, None, num_experts, values=not self._capturing())
-        self._wait_previous(previous_event)
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
             compute_dispatch_layout(topk_idx, num_experts, self.group_size)
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, self._finish_event(async_finish)
@@ -395,6 +396,7 @@ class Buffer:
             return self._dispatch_captured(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                            num_worst_tokens, previous_event, async_finish, fp8, dequantize, internal)
+        self._wait_previous(previous_event)  # before the checks read the layout's values on the host
         header = self._header(OP_DISPATCH)
         error = None
         try:
@@ -406,7 +408,6 @@ class Buffer:
             error = e
             header[:, H_STATUS] = _status_code(e)
         headers = self._exchange(OP_DISPATCH, "counts", header, error)
-        self._wait_previous(previous_event)
 
         values, scales = spec["values"], spec["scales"]
         fp8_on_wire = fp8 or scales is not None
@@ -588,6 +589,7 @@ class Buffer:
             self._wait_previous(previous_event)
             combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
             return combined_x, summed_weights, self._finish_event(async_finish)
+        self._wait_previous(previous_event)
         header = self._header(OP_COMBINE)
         error = None
         try:
@@ -601,7 +603,6 @@ class Buffer:
             error = e
             header[:, H_STATUS] = _status_code(e)
         self._exchange(OP_COMBINE, "status", header, error)
-        self._wait_previous(previous_event)
 
         if self._nvlink_combines(x, handle):
             combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
@@ -932,7 +933,9 @@ class Buffer:
     # -- events ----------------------------------------------------------------------------------------------
 
     def _wait_previous(self, previous_event: Optional[EventOverlap]) -> None:
-        if previous_event is not None:
+        """Make the current stream wait for `previous_event` (anything else is left to the argument checks,
+        which reject it on every rank)."""
+        if isinstance(previous_event, EventOverlap):
             previous_event.current_stream_wait()
 
     def _finish_event(self, async_finish: bool) -> EventOverlap:
