@@ -282,7 +282,7 @@ class Buffer:
         Arguments:
             topk_idx: `[num_tokens, num_topk]` with `torch.int64`, the experts each token selected, `-1` for none.
             num_experts: the number of experts over all ranks, a multiple of the number of ranks.
-            previous_event: the event to wait for before computing.
+            previous_event: the event the current stream waits for before the call reads its inputs.
             async_finish: return an event instead of finishing on the current stream (no effect on CPU).
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
                 allocated on the current stream).
@@ -347,7 +347,8 @@ class Buffer:
                 which planned the copies on the host). Must be at least the number of tokens this rank receives.
             config: accepted for DeepEP compatibility (its `Config`) and ignored: the transports tune themselves
                 (`num_sms`, `budget`).
-            previous_event: the event to wait for before communicating.
+            previous_event: the event the current stream waits for before the call reads its inputs (the argument checks
+                read the layout on the host after it).
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
@@ -560,7 +561,7 @@ class Buffer:
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
             config: accepted for DeepEP compatibility (its `Config`) and ignored.
-            previous_event: the event to wait for before communicating.
+            previous_event: the event the current stream waits for before the call reads its inputs.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
