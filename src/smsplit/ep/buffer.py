@@ -347,8 +347,8 @@ class Buffer:
                 which planned the copies on the host). Must be at least the number of tokens this rank receives.
             config: accepted for DeepEP compatibility (its `Config`) and ignored: the transports tune themselves
                 (`num_sms`, `budget`).
-            previous_event: the event the current stream waits for before the call reads its inputs (the argument checks
-                read the layout on the host after it).
+            previous_event: the event the current stream waits for before the call reads its inputs (the argument
+                checks read the layout on the host after it).
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
