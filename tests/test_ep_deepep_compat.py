@@ -23,6 +23,7 @@ def deepep_style_calls(rank, world_size):
     # as DeepEP's README builds its buffer (the RDMA size by keyword: the third positional argument is num_sms)
     buffer = Buffer(dist.group.WORLD, 0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
                     allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True, comm=None)
+    assert buffer.num_rdma_bytes == 0 and buffer.num_nvl_bytes == 0
     previous = Buffer.capture()
     assert isinstance(previous, EventOverlap) and isinstance(buffer.capture(), EventOverlap)
     num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = \

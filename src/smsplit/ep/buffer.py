@@ -119,6 +119,7 @@ class Buffer:
         group_size: the number of ranks in `group`.
         num_nvl_bytes: the size of the receive buffer each rank holds; 0 lets the reference backend allocate on
             demand (the GPU transports need it set: see `get_buffer_size_hint`).
+        num_rdma_bytes: 0 (DeepEP's attribute; intranode only).
         num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
         budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
         backend: the transport in use ("reference", "nvlink", "nvlink_copy_engine" or "copy_engine").
@@ -181,6 +182,7 @@ class Buffer:
         self.rank = group.rank()
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = 0  # (DeepEP's attribute: intranode only)
         self.budget = budget
         self.num_sms = int(getattr(budget, "comm_sms", num_sms)) if budget is not None else num_sms
         self.timeout_s = float(timeout_s)
