@@ -31,6 +31,22 @@ def test_rounding_that_leaves_no_compute_sm_is_rejected():
         plan_split(129, 132, min_partition=8, alignment=8)
 
 
+def test_the_advice_names_the_largest_request_that_fits():
+    with pytest.raises(ValueError, match="ask for at most 128$"):
+        plan_split(131, 132, min_partition=8, alignment=8)
+    assert plan_split(128, 132, min_partition=8, alignment=8).compute_sms == 4  # the advice holds
+    with pytest.raises(ValueError, match="no request fits"):
+        plan_split(3, 4, min_partition=4)
+
+
+@pytest.mark.parametrize("name,args", [("total_sms", (20, "132")), ("total_sms", (20, 0)),
+                                       ("min_partition", (20, 132, 0)), ("alignment", (20, 132, 1, 0)),
+                                       ("alignment", (20, 132, 1, -8))])
+def test_the_other_plan_arguments_are_checked(name, args):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        plan_split(*args)
+
+
 @pytest.mark.parametrize("bad", [2.5, "20", None, True])
 def test_comm_sms_must_be_an_int(bad):
     with pytest.raises(ValueError, match="comm_sms must be an int"):

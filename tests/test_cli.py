@@ -31,3 +31,31 @@ def test_unknown_command_and_bad_device_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--device", "tpu"])
     assert e.value.code == 2 and "argument --device: invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--steps", "0"], ["demo", "--steps", "-5"], ["demo", "--comm-sms", "-3"],
+                                  ["trace", "--comm-sms", "0"]])
+def test_counts_below_one_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(world_size=0), "world_size must be an int >= 1"), (dict(pp=0), "pp must be an int >= 1"),
+    (dict(chunks=1), "chunks=1 must be at least 2 \\* pp"), (dict(steps=0), "steps must be"),
+    (dict(device="tpu"), "device must be"), (dict(lr=0.0), "lr must be"),
+    (dict(device="cuda", world_size=64), "needs 64 CUDA GPUs")])
+def test_run_demo_refuses_bad_arguments_before_spawning(kwargs, message, tmp_path):
+    from smsplit.moe.train import run_demo
+
+    with pytest.raises(ValueError, match=message):
+        run_demo(out_dir=str(tmp_path / "report"), **kwargs)
+    assert not (tmp_path / "report").exists()  # nothing started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU explanation")
+def test_trace_explains_the_split_it_was_asked_for(tmp_path, capsys):
+    assert main(["trace", "--out", str(tmp_path), "--comm-sms", "33"]) == 0
+    out = capsys.readouterr().out
+    assert "SmBudget(comm_sms=33)" in out and "40 SMs for communication and 92 for compute" in out

@@ -241,3 +241,38 @@ def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, toke
     assert torch.equal(words[:-1].view(torch.uint8), ref_fp8.view(torch.uint8))
     assert torch.equal(scales[:-1].view(torch.int32), ref_scales.view(torch.int32))  # NaN scales too, bit for bit
     assert (words[-1] == -1).all() and (scales[-1] == -1).all()
+
+def test_only_the_documented_dtypes_go_in_and_out():
+    from smsplit.fp8 import dequantize_1x128, quantize_1x128
+
+    for dtype in (torch.float64, torch.float8_e5m2, torch.int32):
+        with pytest.raises(ValueError, match="x: expected a bfloat16/float16/float32"):
+            quantize_1x128(torch.zeros(2, 128).to(dtype))
+    q, s = quantize_1x128(torch.randn(2, 128))
+    for bad in (torch.int32, torch.float8_e4m3fn, "bfloat16"):
+        with pytest.raises(ValueError, match="dtype: expected a floating-point dtype"):
+            dequantize_1x128(q, s, bad)
+    with pytest.raises(ValueError, match="scales: expected a torch.Tensor"):
+        dequantize_1x128(q, s.tolist())
+    assert dequantize_1x128(q, s, torch.float64).dtype == torch.float64
+
+
+def test_a_non_finite_value_spoils_only_its_own_tile():
+    from smsplit.fp8 import dequantize_1x128, quantize_1x128
+
+    x = torch.randn(2, 256)
+    x[0, 5], x[1, 200] = float("inf"), float("nan")
+    q, s = quantize_1x128(x)
+    assert torch.isinf(s[0, 0]) and torch.isnan(s[1, 1]) and torch.isfinite(s[0, 1]) and torch.isfinite(s[1, 0])
+    back = dequantize_1x128(q, s, torch.float32)
+    assert torch.isnan(back[0, :128]).all() and torch.isnan(back[1, 128:]).all()
+    assert torch.isfinite(back[0, 128:]).all() and torch.isfinite(back[1, :128]).all()
+
+
+def test_the_triton_quantizer_refuses_a_cpu_tensor_and_quantize_activations_a_list():
+    from smsplit.fp8 import quantize_1x128_triton, quantize_activations
+
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        quantize_1x128_triton(torch.randn(2, 128))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor"):
+        quantize_activations([[0.0] * 128])

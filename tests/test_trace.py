@@ -73,6 +73,37 @@ def test_chrome_trace_is_valid_trace_event_json(tmp_path):
             assert abs(e["ts"] - starts[e["tid"]] / 1e3) < 1e-9, e
 
 
+def test_a_kind_that_tags_cannot_have_is_an_error_not_an_empty_set():
+    trace = synthetic_trace()
+    for call in (lambda: trace.sms(kind="compte"), lambda: trace.shared_sms("comm", "compte")):
+        with pytest.raises(ValueError, match="kind must be one of"):
+            call()
+    assert trace.sms(kind="probe") == {3}
+
+
+def test_an_empty_trace_reads_as_no_records():
+    trace = Trace()
+    assert trace.records().shape == (0, 4) and trace.sms() == set()
+    assert trace.to_chrome()["traceEvents"] == []
+
+
+def test_slots_refuse_a_count_below_one_and_keep_their_place():
+    trace = Trace("cpu", capacity=8)
+    for bad in (-3, 0, 2.0, True):
+        with pytest.raises(ValueError, match="n_programs must be an int >= 1"):
+            trace.slots(bad, "x")
+    view, _ = trace.slots(np.int64(3), "x")
+    assert view.shape[0] == 3 and trace.slots(5, "y")[0].shape[0] == 5  # the first 3 rows, then the next 5
+
+
+def test_a_picture_cut_below_the_highest_sm_is_refused(tmp_path):
+    trace = Trace.from_records([[0, 0, 10, 0], [200, 5, 20, 0]], [("a", "comm")])
+    with pytest.raises(ValueError, match="SM 200"):
+        trace.save_png(tmp_path / "cut.png", num_sms=4)
+    trace.save_png(tmp_path / "whole.png", num_sms=201)
+    assert (tmp_path / "whole.png").stat().st_size > 0
+
+
 def test_bad_records_are_rejected():
     with pytest.raises(ValueError, match="tag id"):
         Trace.from_records([(0, 0, 1, 5)], [("a", "comm")])

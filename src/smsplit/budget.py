@@ -57,8 +57,13 @@ def plan_split(comm_sms: int, total_sms: int, min_partition: int = 1, alignment:
 
     Raises ValueError when the request is out of range or leaves no SM for compute.
     """
-    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int):
-        raise ValueError(f"comm_sms must be an int, got {comm_sms!r}")
+    for name, value in (("comm_sms", comm_sms), ("total_sms", total_sms), ("min_partition", min_partition),
+                        ("alignment", alignment)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    for name, value in (("total_sms", total_sms), ("min_partition", min_partition), ("alignment", alignment)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 < comm_sms < total_sms:
         raise ValueError(
             f"comm_sms must be between 1 and {total_sms - 1} (the device has {total_sms} SMs), "
@@ -66,10 +71,12 @@ def plan_split(comm_sms: int, total_sms: int, min_partition: int = 1, alignment:
         )
     granted = max(min_partition, math.ceil(comm_sms / alignment) * alignment)
     if granted >= total_sms:
+        largest = (total_sms - 1) // alignment * alignment  # the largest request whose groups leave an SM
+        advice = (f"ask for at most {largest}" if largest >= 1 and max(min_partition, largest) < total_sms
+                  else "no request fits")
         raise ValueError(
-            f"comm_sms={comm_sms} rounds up to {granted} SMs (groups of {alignment}), which leaves "
-            f"no SM for compute on a {total_sms}-SM device; ask for at most "
-            f"{total_sms - alignment}"
+            f"comm_sms={comm_sms} rounds up to {granted} SMs (groups of {alignment}, at least {min_partition}), "
+            f"which leaves no SM for compute on a {total_sms}-SM device; {advice}"
         )
     return SplitPlan(comm_sms, granted, total_sms - granted, total_sms)
 

@@ -7,6 +7,14 @@ import json
 import sys
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="smsplit", description="DeepSeek-V3's GPU systems tricks for Hopper")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -15,14 +23,15 @@ def main(argv=None) -> int:
     p_demo = sub.add_parser("demo", help="the main job: train a tiny DeepSeek-style MoE model with expert "
                             "parallelism and DualPipeV (2 gloo processes on CPU, NCCL on 2+ GPUs)")
     p_demo.add_argument("--out", default="smsplit-report", help="report folder (default: smsplit-report)")
-    p_demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    p_demo.add_argument("--steps", type=positive_int, default=200, help="training steps (default 200)")
     p_demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: cuda when 2 GPUs are present, else cpu")
-    p_demo.add_argument("--comm-sms", type=int, default=20, help="SMs asked for communication on GPU (default 20)")
-    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--comm-sms", type=positive_int, default=20,
+                        help="SMs asked for communication on GPU (default 20)")
+    p_demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p_trace = sub.add_parser("trace", help="show the SM split: a comm kernel beside a GEMM, traced per SM (GPU)")
-    p_trace.add_argument("--out", default="smsplit-report/trace", help="report folder")
-    p_trace.add_argument("--comm-sms", type=int, default=20, help="SMs asked for communication (default 20)")
+    p_trace.add_argument("--out", default="smsplit-report/trace", help="report folder (default: smsplit-report/trace)")
+    p_trace.add_argument("--comm-sms", type=positive_int, default=20, help="SMs asked for communication (default 20)")
     args = parser.parse_args(argv)
 
     if args.command == "info":

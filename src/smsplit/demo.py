@@ -16,15 +16,24 @@ import torch
 
 from smsplit import info
 
-CPU_EXPLANATION = """\
+def cpu_explanation(comm_sms: int) -> str:
+    """What `smsplit trace` would show on a Hopper GPU (132 SMs, granted in groups of 8) for ``comm_sms``."""
+    from smsplit.budget import plan_split
+
+    try:
+        plan = plan_split(comm_sms, 132, min_partition=8, alignment=8)
+        split = (f"the driver grants SMs in\n     groups of 8, so {plan.comm_sms} SMs for communication and "
+                 f"{plan.compute_sms} for compute on an H100/H200")
+        where = f"exactly the {plan.comm_sms}\n     comm SMs and the GEMM in blue on the other {plan.compute_sms}"
+    except ValueError as e:
+        split, where = f"on a 132-SM H100/H200 this request fails: {e}", "the comm SMs and the GEMM on the rest"
+    return f"""\
 No CUDA GPU here, so there are no SMs to split. On a Hopper GPU this demo:
-  1. makes SmBudget(comm_sms=20): two complementary green contexts; the driver grants SMs in
-     groups of 8, so 24 SMs for communication and 108 for compute on an H100/H200;
+  1. makes SmBudget(comm_sms={comm_sms}): two complementary green contexts; {split};
   2. runs smsplit's persistent copy kernel (16-byte ld.global.nc / st.global.L1::no_allocate)
      on the comm stream while a bf16 GEMM (cuBLAS) runs on the compute stream;
-  3. writes <out>/sm_trace.png: one row per SM over time, comm blocks in red on exactly the 24
-     comm SMs and the GEMM in blue on the other 108, no SM shared; plus <out>/sm_trace.json for
-     chrome://tracing or Perfetto, and <out>/summary.json with the timings.
+  3. writes <out>/sm_trace.png: one row per SM over time, comm blocks in red on {where}, no SM shared; plus
+     <out>/sm_trace.json for chrome://tracing or Perfetto, and <out>/summary.json with the timings.
 Run `smsplit info` on a GPU machine to see its SMs, NVLink peers and green-context support."""
 
 
@@ -60,7 +69,8 @@ def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
                 sm_copy(dst, src, budget.comm_sms, trace=trace, name="copy (smsplit)", kind="comm")
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        assert torch.equal(dst, src)
+        if not torch.equal(dst, src):
+            raise RuntimeError("the comm kernel's copy differs from its source")
         trace.save_png(out / "sm_trace.png", title=repr(budget), num_sms=budget.total_sms)
         trace.save_chrome(out / "sm_trace.json")
         comm, compute = trace.sms(kind="comm"), trace.sms(kind="compute")
@@ -74,14 +84,17 @@ def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
 def run(out: str = "smsplit-report", comm_sms: int = 20) -> dict:
     from rich.console import Console
 
+    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
+        raise ValueError(f"comm_sms must be an int >= 1, got {comm_sms!r}")
     console = Console()
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = info.collect()
     console.print(info.render(machine))
     if not torch.cuda.is_available():
-        console.print(CPU_EXPLANATION)
-        summary = {"gpu": False, "explanation": CPU_EXPLANATION}
+        explanation = cpu_explanation(comm_sms)
+        console.print(explanation, soft_wrap=True)
+        summary = {"gpu": False, "explanation": explanation}
     else:
         summary = {"gpu": True, **_gpu_demo(out_dir, comm_sms, console)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -5,6 +5,8 @@ Activations are quantized in 1x128 tiles (one fp32 scale per 128 consecutive val
 ``AMAX_FLOOR`` so that an all-zero tile gets a finite, non-zero scale; ``x_fp8 * scale`` recovers ``x``.
 This is the convention of DeepEP and DeepGEMM (``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``):
 scales of a ``[tokens, hidden]`` activation have shape ``[tokens, hidden // 128]`` and dtype ``torch.float32``.
+Inputs are meant to be finite: a tile holding a NaN gets a NaN scale, one holding an infinity an infinite scale, and
+every value of such a tile dequantizes to NaN (in the torch reference and the Triton kernels alike).
 
 ``quantize_1x128`` and the other plain functions are the torch reference (any device);
 ``quantize_1x128_triton`` is the same computation as one Triton kernel, for CUDA tensors.
@@ -15,6 +17,7 @@ from typing import Tuple
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_MAX = 448.0
 BLOCK = 128
 AMAX_FLOOR = 1e-4
@@ -23,7 +26,7 @@ AMAX_FLOOR = 1e-4
 def _check_1x128_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype == FP8_DTYPE:
+    if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"x: expected a bfloat16/float16/float32 tensor, got {x.dtype}")
     if x.dim() < 1 or x.size(-1) % BLOCK != 0:
         raise ValueError(f"x: the last dimension must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
@@ -59,13 +62,17 @@ def dequantize_1x128(x_fp8: torch.Tensor, scales: torch.Tensor,
     Arguments:
         x_fp8: `[..., hidden]` with `torch.float8_e4m3fn`.
         scales: `[..., hidden // 128]` with `torch.float32`.
-        dtype: the dtype of the result.
+        dtype: the dtype of the result (bfloat16, float16, float32 or float64).
 
     Returns:
         x: `[..., hidden]` with `dtype`, computed in fp32 as `x_fp8 * scale` and then cast.
     """
-    if x_fp8.dtype != FP8_DTYPE:
-        raise ValueError(f"x_fp8: expected {FP8_DTYPE}, got {x_fp8.dtype}")
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"x_fp8: expected a {FP8_DTYPE} tensor, got {getattr(x_fp8, 'dtype', type(x_fp8).__name__)}")
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"scales: expected a torch.Tensor, got {type(scales).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"dtype: expected a floating-point dtype of 16 bits or more, got {dtype}")
     if x_fp8.dim() < 1 or x_fp8.size(-1) % BLOCK != 0:
         raise ValueError(f"x_fp8: the last dimension must be a multiple of {BLOCK}, got {tuple(x_fp8.shape)}")
     expected = (*x_fp8.shape[:-1], x_fp8.size(-1) // BLOCK)
@@ -233,6 +240,8 @@ def quantize_1x128_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if triton is None:
         raise RuntimeError("quantize_1x128_triton needs Triton; use quantize_1x128")
     _check_1x128_input(x)
+    if not x.is_cuda:
+        raise ValueError(f"x: quantize_1x128_triton runs on CUDA tensors, got one on {x.device} (use quantize_1x128)")
     x2d = x.reshape(-1, x.size(-1)).contiguous()
     num_rows, hidden = x2d.shape
     x_fp8 = torch.empty(x2d.shape, dtype=FP8_DTYPE, device=x.device)
@@ -246,6 +255,7 @@ def quantize_1x128_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """`quantize_1x128_triton` for CUDA tensors, `quantize_1x128` elsewhere."""
+    _check_1x128_input(x)
     if x.is_cuda and triton is not None:
         return quantize_1x128_triton(x)
     return quantize_1x128(x)

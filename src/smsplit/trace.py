@@ -18,6 +18,7 @@ Records can also be built from plain arrays (``Trace.from_records``) to draw or 
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,9 @@ class Trace:
         to the kernel (it writes record ``program_id`` of the view)."""
         if self._buffer is None:
             raise RuntimeError("this Trace has no device buffer (made from records)")
+        if isinstance(n_programs, bool) or not isinstance(n_programs, numbers.Integral) or n_programs < 1:
+            raise ValueError(f"n_programs must be an int >= 1, got {n_programs!r}")
+        n_programs = int(n_programs)
         if self._used + n_programs > self.capacity:
             raise RuntimeError(
                 f"trace buffer full: {self._used} of {self.capacity} records used, {n_programs} more "
@@ -106,7 +110,13 @@ class Trace:
     def probe(self, stream: torch.cuda.Stream, name: str, kind: str = "probe", programs: int | None = None,
               spin_ns: int = 20_000) -> slice:
         """Launch a probe kernel on ``stream``: many short programs, each recording its SM. Returns
-        the slice of records it fills. With enough programs it lands on every SM the stream can use."""
+        the slice of records it fills. With enough programs it lands on every SM the stream can use.
+
+        Args:
+            programs: how many probe programs (default: 8 per SM of the device).
+            spin_ns: how long each program spins before it records its end, in ns (long enough that the
+                programs spread over the SMs instead of reusing the first ones).
+        """
         if programs is None:
             programs = 8 * torch.cuda.get_device_properties(self.device).multi_processor_count
         start = self._used
@@ -156,6 +166,8 @@ class Trace:
         it read), or again with ``reread=True``: a CUDA graph replayed rewrites the same records."""
         if self._host_records is not None and (not reread or self._buffer is None):
             return self._host_records
+        if self._buffer is None:  # no device and no records: nothing was traced
+            return np.zeros((0, int(RECORD_WORDS)), dtype=np.int64)
         torch.cuda.synchronize(self.device)
         raw = self._buffer[: self._used].cpu().numpy()
         unwritten = (raw[:, 0] < 0).sum()
@@ -174,7 +186,9 @@ class Trace:
 
     def sms(self, name: str | None = None, kind: str | None = None) -> set[int]:
         """SM ids used by records whose tag matches ``name`` and/or ``kind`` (probes excluded
-        unless asked for by kind)."""
+        unless asked for by kind). ``kind`` must be one of the kinds tags may have."""
+        if kind is not None and kind not in KIND_COLOURS:
+            raise ValueError(f"kind must be one of {sorted(KIND_COLOURS)}, got {kind!r}")
         rows = self.records()
         wanted = [i for i, (n, k) in enumerate(self.tags)
                   if (name is None or n == name) and (kind is None or k == kind)
@@ -195,7 +209,16 @@ class Trace:
         return rows[~np.isin(rows[:, 3], probe_tags)]
 
     def save_png(self, path, title: str | None = None, include_probes: bool = False, num_sms: int | None = None):
-        """Draw an SM-by-time timeline: one row per SM, one bar per record, coloured by kind."""
+        """Draw an SM-by-time timeline: one row per SM, one bar per record, coloured by kind.
+
+        Args:
+            path: the PNG file to write.
+            title: a first title line (the second says how many SMs each kind used and shared).
+            include_probes: also draw the probe kernels' records (default False: the picture shows the work;
+                `save_chrome` keeps them by default, for inspection).
+            num_sms: rows to draw (the device's SM count, so idle SMs show); default: up to the highest SM
+                in the records. A record on an SM at or past ``num_sms`` raises ValueError.
+        """
         import matplotlib
 
         matplotlib.use("Agg")
@@ -206,6 +229,8 @@ class Trace:
         if len(rows) == 0:
             raise ValueError("the trace has no records to draw")
         t0 = rows[:, 1].min()
+        if num_sms is not None and int(rows[:, 0].max()) >= num_sms:
+            raise ValueError(f"num_sms={num_sms}: a record ran on SM {int(rows[:, 0].max())}, which would not be drawn")
         n_rows = num_sms or int(rows[:, 0].max()) + 1
         fig, ax = plt.subplots(figsize=(12, max(4.0, n_rows * 0.06)))
         for tag_id, (_, kind) in enumerate(self.tags):
@@ -245,5 +270,6 @@ class Trace:
         return {"traceEvents": events, "displayTimeUnit": "ns"}
 
     def save_chrome(self, path, include_probes: bool = True):
+        """Write `to_chrome` as JSON to ``path`` (for chrome://tracing or Perfetto; probes included by default)."""
         with open(path, "w") as f:
             json.dump(self.to_chrome(include_probes), f)

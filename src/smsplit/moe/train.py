@@ -309,8 +309,22 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         model: overrides of `ModelConfig` fields.
         timeout_s: bound on every wait for a peer (process-group init, EP, pipeline).
     """
+    for name, value in (("steps", steps), ("world_size", world_size), ("pp", pp), ("chunks", chunks), ("batch", batch),
+                        ("comm_sms", comm_sms)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0) or not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"timeout_s and lr must be numbers > 0, got timeout_s={timeout_s!r}, lr={lr!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+        device = "cuda" if gpus >= world_size else "cpu"
+    if device == "cuda" and gpus < world_size:
+        raise ValueError(f"device='cuda' runs one process per GPU: world_size={world_size} needs {world_size} CUDA "
+                         f"GPUs, this machine has {gpus} (device='cpu' runs gloo processes)")
+    if chunks < 2 * pp:
+        raise ValueError(f"chunks={chunks} must be at least 2 * pp = {2 * pp} (DualPipeV)")
     if world_size % pp:
         raise ValueError(f"world_size={world_size} must be a multiple of pp={pp}")
     if batch % chunks:
