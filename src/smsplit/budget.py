@@ -135,17 +135,17 @@ class GreenSmResource:
 
     @property
     def sm_count(self) -> int:
-        return self.resource.sm.smCount
+        return int(self.resource.sm.smCount)
 
     @property
     def min_partition_sms(self) -> int:
         """As the driver reports it (may be 0)."""
-        return self.resource.sm.minSmPartitionSize
+        return int(self.resource.sm.minSmPartitionSize)
 
     @property
     def sm_alignment(self) -> int:
         """As the driver reports it (may be 0)."""
-        return self.resource.sm.smCoscheduledAlignment
+        return int(self.resource.sm.smCoscheduledAlignment)
 
 
 def green_sm_resource(device_index: int) -> GreenSmResource:
