@@ -304,6 +304,48 @@ scenario("err-dualpipe-odd-chunks", 2)(lambda rank, world: _step_error("dualpipe
 scenario("err-dualpipe-small-chunks", 2)(lambda rank, world: _step_error("dualpipe", 2))
 scenario("err-dualpipe-rows", 2)(lambda rank, world: _step_error("dualpipe", 4, rows=3))
 scenario("err-dualpipe-no-criterion", 2)(lambda rank, world: _step_error("dualpipe", 4, crit=None))
+def _ranks_disagree(rank, world, what):
+    """DualPipeV on 2 ranks where rank 1 asks for another num_chunks or another mode than rank 0."""
+    def run():
+        pipe, _, _ = build("dualpipev", world, rank)
+        data = make_data("dualpipev", world, 4)
+        inputs, labels = step_args("dualpipev", world, rank, data)
+        chunks = 6 if (what == "chunks" and rank == 1) else 4
+        with torch.set_grad_enabled(not (what == "mode" and rank == 1)):
+            pipe.step(*inputs, num_chunks=chunks, criterion=criterion, labels=labels)
+    return expect_error(run)
+
+
+def _bad_labels(rank, world, how):
+    def run():
+        pipe, _, _ = build("dualpipev", world, rank)
+        data = make_data("dualpipev", world, 4)
+        inputs, labels = step_args("dualpipev", world, rank, data)
+        if rank == 0:
+            labels = {"tensor": labels[0], "size": (labels[0][: 2 * ROWS],)}[how]
+        pipe.step(*inputs, num_chunks=4, criterion=criterion, labels=labels)
+    return expect_error(run)
+
+
+def _shapes_change(rank, world):
+    """A second step with other micro-batch shapes is refused at its start until reset_shapes(); then it runs."""
+    pipe, _, _ = build("dualpipev", world, rank)
+    data = make_data("dualpipev", world, 8)
+    inputs, labels = step_args("dualpipev", world, rank, data)
+    pipe.step(*inputs, num_chunks=4, criterion=criterion, labels=labels)
+    rec = expect_error(lambda: pipe.step(*inputs, num_chunks=8, criterion=criterion, labels=labels))
+    pipe.reset_shapes()
+    loss, _ = pipe.step(*inputs, num_chunks=8, criterion=criterion, labels=labels)
+    rec["after_reset"] = None if loss is None else int(loss.numel())
+    return rec
+
+
+scenario("err-ranks-disagree-chunks", 2)(lambda rank, world: _ranks_disagree(rank, world, "chunks"))
+scenario("err-ranks-disagree-mode", 2)(lambda rank, world: _ranks_disagree(rank, world, "mode"))
+scenario("err-labels-tensor", 2)(lambda rank, world: _bad_labels(rank, world, "tensor"))
+scenario("err-labels-size", 2)(lambda rank, world: _bad_labels(rank, world, "size"))
+scenario("err-empty-batch", 2)(lambda rank, world: _step_error("dualpipev", 4, rows=0))
+scenario("err-shapes-change", 2)(_shapes_change)
 scenario("err-mismatched-types", 2)(
     lambda rank, world: expect_error(lambda: build("dualpipev", world, rank, Stage, OverlapStage)))
 scenario("err-dualpipe-odd-world-1", 1)(lambda rank, world: expect_error(lambda: build("dualpipe", 2, 0)))
@@ -421,6 +463,26 @@ def test_errors_say_what_to_change(name, error, words):
         assert rec["type"] == error, rec
         for w in words:
             assert w in rec["message"], (w, rec["message"])
+
+
+@pytest.mark.parametrize("name, words", [("err-ranks-disagree-chunks", "different num_chunks (from 4 to 6)"),
+                                         ("err-ranks-disagree-mode", "some ranks train and some run forward only")])
+def test_ranks_that_disagree_all_raise_before_any_message(name, words):
+    for rec in records(name):
+        assert rec["type"] == "ValueError" and words in rec["message"], rec
+
+
+@pytest.mark.parametrize("name, error, words", [
+    ("err-labels-tensor", "TypeError", "labels must be a tuple or list of tensors"),
+    ("err-labels-size", "ValueError", "inputs and labels on rank 0 must have the same size"),
+    ("err-empty-batch", "ValueError", "divisible into 4 micro-batches"),
+    ("err-shapes-change", "ValueError", "call reset_shapes() on every rank first")])
+def test_bad_inputs_on_one_rank_stop_every_rank(name, error, words):
+    rank0, rank1 = records(name)
+    assert rank0["type"] == error and words in rank0["message"], rank0
+    assert rank1["type"] == "RuntimeError" and "rank 0 rejected its step arguments" in rank1["message"], rank1
+    if name == "err-shapes-change":
+        assert rank0["after_reset"] == 8 and rank1["after_reset"] is None  # the step runs after reset_shapes()
 
 
 def test_ranks_without_inputs_fail_with_the_rank_that_has_them():

@@ -103,6 +103,7 @@ class _Pipeline(nn.Module):
                     self._next[m] = lane[i + 1] if i + 1 < len(lane) else None
         self._plans: dict[tuple[int, bool], list] = {}
         self._known_streams: set = set()
+        self._input_meta = None  # micro-batch shapes and dtypes of the inputs when the shapes were learned
         self._stream_meta: dict = {}
         self.op_hook: Callable[[Op, str], None] | None = None
         """Called as op_hook(op, "start") before and op_hook(op, "end") after each compute op."""
@@ -121,6 +122,7 @@ class _Pipeline(nn.Module):
         before a step whose micro-batches have other shapes than before."""
         self._known_streams.clear()
         self._stream_meta.clear()
+        self._input_meta = None
 
     def _plan(self, num_chunks: int, forward_only: bool) -> list:
         key = (num_chunks, forward_only)
@@ -158,7 +160,7 @@ class _Pipeline(nn.Module):
             self._check_step_args(inputs, num_chunks, criterion, labels, forward_only, first_module, last_module)
         except (ValueError, TypeError) as e:
             error = e
-        self._agree_on_args(error)
+        self._agree_on_args(error, num_chunks if isinstance(num_chunks, int) else -1, forward_only)
         self._forward_only = forward_only
         self._return_outputs = return_outputs
         self._criterion = criterion
@@ -210,42 +212,74 @@ class _Pipeline(nn.Module):
         name = type(self).__name__
         check_chunks(self.kind, self.num_ranks, num_chunks)
         per_lane = chunks_per_lane(self.kind, num_chunks)
+        sizes = {}
         if first_module:
             if not inputs:
                 raise ValueError(f"{name}.step: rank {self.rank} runs a first stage and needs inputs")
-            self._split_check(inputs, per_lane, "input")
+            sizes["input"] = self._split_check(inputs, per_lane, "input")
+            meta = [(t.shape[:self.batch_dim] + (t.shape[self.batch_dim] // per_lane,) + t.shape[self.batch_dim + 1:],
+                     t.dtype) for t in inputs]
+            if self._known_streams and self._input_meta is not None and meta != self._input_meta:
+                raise ValueError(f"{name}.step: micro-batches of {[tuple(m) for m, _ in meta]} after "
+                                 f"{[tuple(m) for m, _ in self._input_meta]} when the shapes between ranks were "
+                                 f"learned; call reset_shapes() on every rank first")
+            self._input_meta = meta
         if last_module:
             if criterion is None and not forward_only:
                 raise ValueError(f"{name}.step: rank {self.rank} runs a last stage and needs a "
                                  f"criterion to train (or call step under torch.no_grad())")
-            self._split_check(labels, per_lane, "label")
+            if isinstance(labels, torch.Tensor) or not isinstance(labels, (tuple, list)):
+                raise TypeError(f"{name}.step: labels must be a tuple or list of tensors, got "
+                                f"{type(labels).__name__} (pass labels=(y,))")
+            if labels:
+                sizes["label"] = self._split_check(labels, per_lane, "label")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"{name}.step: inputs and labels on rank {self.rank} must have the same size along "
+                             f"batch_dim {self.batch_dim}, got {sizes}")
 
-    def _agree_on_args(self, error: Exception | None) -> None:
-        """All ranks learn whether any rank's step arguments are invalid, so that all raise
-        before the first p2p message instead of some waiting for a peer that gave up. The first
-        call also creates the NCCL communicator with every rank taking part, which NCCL's
-        batched p2p needs."""
-        flag = torch.tensor([0 if error is None else self.rank + 1], device=self.device)
+    def _agree_on_args(self, error: Exception | None, num_chunks: int, forward_only: bool) -> None:
+        """All ranks learn whether any rank's step arguments are invalid, and whether all ranks ask for the same
+        num_chunks and the same mode (training or forward only), so that all raise before the first p2p
+        message instead of some waiting for a peer that gave up or runs another plan. The first call also
+        creates the NCCL communicator with every rank taking part, which NCCL's batched p2p needs."""
+        words = torch.tensor([0 if error is None else self.rank + 1, num_chunks, -num_chunks, int(forward_only),
+                              -int(forward_only)], device=self.device)
         if self.num_ranks > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group)
         if error is not None:
             raise error
-        if flag.item():
-            raise RuntimeError(f"{type(self).__name__}.step: rank {flag.item() - 1} rejected its "
-                               f"step arguments (see its error); no rank started the step")
-
-    def _split_check(self, tensors, per_lane: int, what: str) -> None:
+        flag, most, least, any_forward_only, all_forward_only = words.tolist()
         name = type(self).__name__
+        if flag:
+            raise RuntimeError(f"{name}.step: rank {flag - 1} rejected its step arguments (see its error); no rank "
+                               f"started the step")
+        if most != -least:
+            raise ValueError(f"{name}.step: the ranks ask for different num_chunks (from {-least} to {most}); no "
+                             f"rank started the step")
+        if any_forward_only != -all_forward_only:
+            raise ValueError(f"{name}.step: some ranks train and some run forward only (torch.no_grad()); no rank "
+                             f"started the step")
+
+    def _split_check(self, tensors, per_lane: int, what: str) -> int:
+        """Check that every tensor splits into ``per_lane`` non-empty micro-batches along batch_dim, all of one
+        size; returns that size."""
+        name = type(self).__name__
+        sizes = set()
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}.step: {what} {i} is a {type(t).__name__}, not a tensor")
             size = t.shape[self.batch_dim] if t.dim() > self.batch_dim else None
-            if size is None or size % per_lane:
+            if size is None or size == 0 or size % per_lane:
                 raise ValueError(
                     f"{name}.step: {what} {i} has shape {tuple(t.shape)}; its batch_dim "
                     f"{self.batch_dim} must be divisible into {per_lane} micro-batches"
                     + (" (DualPipe sends num_chunks/2 through each lane)" if self.kind == "dualpipe" else "")
                     + "; change num_chunks or the batch size")
+            sizes.add(size)
+        if len(sizes) > 1:
+            raise ValueError(f"{name}.step: the {what}s have different sizes along batch_dim {self.batch_dim}: "
+                             f"{sorted(sizes)}")
+        return sizes.pop() if sizes else 0
 
     def _as_input(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().requires_grad_(not self._forward_only and t.is_floating_point())
