@@ -444,6 +444,33 @@ def test_linear_defers_weight_grad_only_when_store_enabled():
     assert max(rec["dx_err"], rec["dw_err"], rec["db_err"], rec["immediate_dw_err"]) < 1e-12, rec
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_linear_matches_nn_linear_under_autocast(deferred):
+    from smsplit.pipeline.weight_grad import Linear, WeightGradStore
+
+    torch.manual_seed(3)
+    ref, lin = nn.Linear(8, 4), Linear(8, 4)
+    lin.load_state_dict(ref.state_dict())
+    x0 = torch.randn(5, 8)
+    grads = []
+    for mod in (ref, lin):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(x)
+        WeightGradStore.enabled = deferred and mod is lin
+        try:
+            (y.float() ** 2).sum().backward()
+            if WeightGradStore.enabled:
+                assert lin.weight.grad is None  # left to the W op
+                WeightGradStore.flush()
+                WeightGradStore.pop()
+        finally:
+            WeightGradStore.clear()
+        grads.append((y, x.grad, mod.weight.grad, mod.bias.grad))
+    for a, b in zip(*grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name, error, words", [
     ("err-v-small-chunks-1", "ValueError", ["num_chunks >= 2*ranks = 2", "got 1"]),
     ("err-v-small-chunks-2", "ValueError", ["num_chunks >= 2*ranks = 4", "got 3"]),

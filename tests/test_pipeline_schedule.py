@@ -16,6 +16,7 @@ Conventions (DeepSeek-V3 report, Table 2; DualPipe README):
 from __future__ import annotations
 
 import itertools
+import re
 import struct
 from types import SimpleNamespace
 
@@ -436,3 +437,34 @@ def test_comm_plans_rounds_match_at_both_ends(kind, ranks, chunks):
                 assert m in batches[m.dst][r].recvs
             for m in batch.recvs:
                 assert m in batches[m.src][r].sends
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(F=-1.0), ValueError, "F: times must be finite and >= 0"),
+    (dict(F=float("nan")), ValueError, "F: times must be finite"),
+    (dict(latency=-5.0), ValueError, "latency: times must be finite and >= 0"),
+    (dict(W=3.0, B=1.0), ValueError, "W <= B"),
+    (dict(F="2"), TypeError, "F: give a number"),
+    (dict(F=None), TypeError, "F: give a number"),
+    (dict(latency=None), TypeError, "latency: give a number"),
+    (dict(B=[1.0, -2.0]), ValueError, "B: times must be finite"),
+])
+def test_simulate_refuses_impossible_times(kwargs, error, words):
+    from smsplit.pipeline.schedule import simulate
+
+    with pytest.raises(error, match=re.escape(words)):
+        simulate("zb1p", 2, 4, **kwargs)
+
+
+def test_pipeline_counts_are_ints_and_the_rank_is_in_range():
+    import numpy as np
+
+    from smsplit.pipeline.schedule import comm_plan, simulate
+
+    for pp, chunks, error in ((True, 4, TypeError), (2, 4.0, TypeError), (0, 4, ValueError)):
+        with pytest.raises(error):
+            simulate("1f1b", pp, chunks)
+    assert simulate("dualpipev", np.int64(2), np.int64(4)).total == simulate("dualpipev", 2, 4).total
+    for rank in (-1, 2, 1.0):
+        with pytest.raises(ValueError, match="rank must be an int in \\[0, 2\\)"):
+            comm_plan("dualpipev", 2, 4, rank)

@@ -16,6 +16,8 @@ Vocabulary:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -77,10 +79,11 @@ def chunks_per_lane(kind: str, chunks: int) -> int:
 def check_chunks(kind: str, pp: int, chunks: int) -> None:
     """Raise ValueError naming a valid value when (pp, chunks) cannot be scheduled."""
     _check_kind(kind)
-    if not isinstance(pp, int) or pp < 1:
-        raise ValueError(f"{kind}: the number of pipeline ranks must be a positive int, got {pp!r}")
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"{kind}: num_chunks must be a positive int, got {chunks!r}")
+    for name, value in (("pp (pipeline ranks)", pp), ("num_chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{kind}: {name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{kind}: {name} must be a positive int, got {value!r}")
     if kind == "dualpipe":
         if pp % 2:
             raise ValueError(
@@ -290,12 +293,16 @@ def comm_plan(kind: str, pp: int, chunks: int, rank: int, forward_only: bool = F
     are posted in the same order on both ends, as NCCL requires. A message may thus arrive
     before the op that needs it. In forward_only mode gradients are not sent.
     """
-    return [item for _, item in comm_plans(kind, pp, chunks, forward_only)[rank]]
+    plans = comm_plans(kind, pp, chunks, forward_only)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < len(plans):
+        raise ValueError(f"rank must be an int in [0, {len(plans)}), got {rank!r}")
+    return [item for _, item in plans[rank]]
 
 
 def comm_plans(kind: str, pp: int, chunks: int, forward_only: bool = False) -> list[list[tuple]]:
     """Every rank's `comm_plan` as (round, item) pairs: round is a `Batch`'s round number, the
-    same in the batches that hold the two ends of a message, and None for an `Op`."""
+    same in the batches that hold the two ends of a message, and None for an `Op`. forward_only:
+    the plans of a forward-only step (no backward ops, no gradients sent)."""
     all_ops = schedule(kind, pp, chunks)
     nbrs = _neighbours(kind, pp)
     timed, _ = _timeline(kind, pp, all_ops, lambda rank, op: 1.0, 0.0)
@@ -371,7 +378,8 @@ class Simulation:
     peak_activations: list[int]
 
     def save_png(self, path: str, title: str | None = None) -> None:
-        """Draw the timeline: one row per rank, F / B / W / F&B coloured, chunk ids inside."""
+        """Draw the timeline to ``path``: one row per rank, F / B / W / F&B coloured, chunk ids inside;
+        ``title`` goes above the line that gives the total and the largest bubble."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -414,11 +422,18 @@ class Simulation:
 
 
 def _per_rank(value, pp: int, name: str) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * pp
-    values = [float(v) for v in value]
+    """One finite time >= 0 per rank from a number or a sequence of ``pp`` numbers."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        values = [float(value)] * pp
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                 for v in value):
+        values = [float(v) for v in value]
+    else:
+        raise TypeError(f"{name}: give a number or a list of numbers (one per rank), got {value!r}")
     if len(values) != pp:
         raise ValueError(f"{name}: give one time for every rank ({pp}) or a single number, got {len(values)}")
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"{name}: times must be finite and >= 0, got {value!r}")
     return values
 
 
@@ -455,8 +470,14 @@ def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, late
     ops = schedule(kind, pp, chunks)
     F, B, W = _per_rank(F, pp, "F"), _per_rank(B, pp, "B"), _per_rank(W, pp, "W")
     FB = [f + b for f, b in zip(F, B)] if FB is None else _per_rank(FB, pp, "FB")
-    Bi = [b - w for b, w in zip(B, W)] if Bi is None else _per_rank(Bi, pp, "Bi")
+    if Bi is None:
+        if any(w > b for b, w in zip(B, W)):
+            raise ValueError(f"W: the weight gradient is part of the full backward B, so W <= B; got B={B}, W={W}")
+        Bi = [b - w for b, w in zip(B, W)]
+    else:
+        Bi = _per_rank(Bi, pp, "Bi")
     overhead = _per_rank(op_overhead, pp, "op_overhead")
+    latency = _per_rank(latency, 1, "latency")[0]
 
     def duration(rank: int, op: Op) -> float:
         if op.kind in ("F", "W", "FB"):

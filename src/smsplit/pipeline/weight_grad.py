@@ -26,10 +26,12 @@ class WeightGradStore:
 
     @classmethod
     def put(cls, fn: Callable[[], None]) -> None:
+        """Add a closure that computes and accumulates weight gradients to the current backward's entry."""
         cls.cache.append(fn)
 
     @classmethod
     def flush(cls) -> None:
+        """End the current backward's entry: its closures become one queue entry, for a later `pop`."""
         cls.queue.append(cls.cache)
         cls.cache = []
 
@@ -44,6 +46,8 @@ class WeightGradStore:
 
     @classmethod
     def clear(cls) -> None:
+        """Drop every queued and cached closure and disable the store (each pipeline step starts and ends
+        with this: closures left from outside a step would be dropped)."""
         cls.enabled = False
         cls.cache = []
         cls.queue = deque()
@@ -59,21 +63,30 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # compute as nn.Linear does under autocast, in its dtype
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight_c = x.to(dtype), weight.to(dtype)
+            bias_c = bias.to(dtype) if bias is not None else None
+        else:
+            weight_c, bias_c = weight, bias
+        ctx.save_for_backward(x, weight_c)
         ctx.params = (weight, bias)
-        return F.linear(x, weight, bias)
+        with torch.autocast(device_type, enabled=False):
+            return F.linear(x, weight_c, bias_c)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors  # (in the autocast dtype when the forward ran under autocast)
         param_w, param_b = ctx.params
+        grad_out = grad_out.to(weight.dtype)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], param_b is not None and ctx.needs_input_grad[2]
 
         def weight_grads():
             g = grad_out.reshape(-1, grad_out.shape[-1])
-            gw = g.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
-            gb = g.sum(0) if need_b else None
+            gw = (g.t() @ x.reshape(-1, x.shape[-1])).to(param_w.dtype) if need_w else None
+            gb = g.sum(0).to(param_b.dtype) if need_b else None
             return gw, gb
 
         if WeightGradStore.enabled and (need_w or need_b):
@@ -95,7 +108,8 @@ class Linear(torch.nn.Linear):
     """`torch.nn.Linear` whose weight gradient can be deferred to a pipeline "W" op.
 
     Outside a split backward (or outside a pipeline) it behaves like `torch.nn.Linear`, and its
-    gradients equal `torch.nn.Linear`'s. Inside a backward that the schedule runs with
+    gradients equal `torch.nn.Linear`'s, under autocast too (computed in the autocast dtype, the weight
+    gradient accumulated in the parameter's dtype). Inside a backward that the schedule runs with
     `WeightGradStore.enabled`, backward returns only dX and queues dW (and db) for later.
     """
 
