@@ -44,8 +44,8 @@ def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
 
     try:
         budget = SmBudget(comm_sms, mode="green")
-    except SmBudgetError as e:
-        console.print(f"[yellow]green contexts unavailable ({e}); using mode='grid'[/yellow]")
+    except (SmBudgetError, ValueError) as e:  # no green contexts, or a request their groups of SMs cannot grant
+        console.print(f"[yellow]green contexts: {e}; using mode='grid'[/yellow]")
         budget = SmBudget(comm_sms, mode="grid")
     with budget:
         console.print(f"budget: {budget}")
@@ -86,6 +86,10 @@ def run(out: str = "smsplit-report", comm_sms: int = 20) -> dict:
 
     if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
         raise ValueError(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if torch.cuda.is_available():  # a request the GPU cannot grant at all fails before the report folder exists
+        from smsplit.budget import plan_split
+
+        plan_split(comm_sms, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
     console = Console()
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
