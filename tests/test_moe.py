@@ -313,3 +313,83 @@ def test_overlap_on_sm_budget_streams_matches_serial_on_gpu():
         torch.testing.assert_close(overlapped[name], serial[name], rtol=1e-4, atol=1e-5, msg=name)
     assert shares["step_s"] > 0 and 0 <= shares["exposed_fraction"] <= 1
     assert shares["comm_s"] > 0 and shares["compute_s"] > 0
+
+
+# --- argument checks (no work starts on bad input) ---------------------------------------------------
+
+
+def test_router_weights_are_normalised_scores_times_route_scale():
+    torch.manual_seed(5)
+    router = Router(dim=16, n_experts=8, topk=3, n_groups=4, topk_groups=2, route_scale=2.5)
+    x = torch.randn(30, 16)
+    w, idx = router(x)
+    scores = torch.sigmoid(x @ router.weight.t())
+    assert [sorted(r) for r in idx.tolist()] == _reference_topk(scores, router.bias, 3, 4, 2)
+    chosen = scores.gather(1, idx)
+    torch.testing.assert_close(w, chosen / chosen.sum(1, keepdim=True) * 2.5)
+    router.weight.data.fill_(-10.0)
+    w, _ = router(torch.full((2, 16), 5.0))  # every score underflows to 0: weights 0, not NaN
+    assert torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(topk=0), "topk must be an int >= 1"), (dict(topk=2.0), "topk must be an int"),
+    (dict(dim=0), "dim must be an int >= 1"), (dict(n_groups=0), "n_groups must be an int >= 1"),
+    (dict(route_scale=0.0), "route_scale must be a finite number > 0"),
+    (dict(route_scale=float("nan")), "route_scale must be"),
+    (dict(bias_update_speed=-1e-3), "bias_update_speed must be a finite number > 0"),
+    (dict(n_groups=3), "must divide into n_groups=3"), (dict(topk_groups=5), "topk_groups must lie in"),
+    (dict(topk=5, n_groups=4, topk_groups=2), "do not fit")])
+def test_router_refuses_bad_arguments(kwargs, words):
+    args = dict(dim=16, n_experts=8, topk=2, n_groups=4, topk_groups=2) | kwargs
+    with pytest.raises(ValueError, match=words):
+        Router(**args)
+
+
+def test_group_limited_topk_keeps_its_limit_or_refuses():
+    scores, bias = torch.rand(4, 8), torch.zeros(8)
+    with pytest.raises(ValueError, match="do not fit"):
+        group_limited_topk(scores, bias, topk=5, n_groups=4, topk_groups=2)  # 4 experts allowed
+    with pytest.raises(ValueError, match="bias"):
+        group_limited_topk(scores, torch.zeros(6), topk=2, n_groups=4, topk_groups=2)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(expert_alignment=-4), "expert_alignment must be an int >= 1"),
+    (dict(expert_alignment=0), "expert_alignment must be"), (dict(ep_rank=2, ep_size=2), "ep_rank must be"),
+    (dict(ep_size=2, dim=64), "multiple of 128"), (dict(n_shared=-1), "n_shared must be")])
+def test_moe_layer_refuses_bad_arguments(kwargs, words):
+    args = dict(dim=128, inter_dim=32, n_experts=8, topk=2, n_groups=2, topk_groups=1) | kwargs
+    with pytest.raises(ValueError, match=words):
+        MoE(**args)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(dim=64), "multiple of 128"), (dict(n_heads=5), "n_heads=5 heads"), (dict(n_experts=6), "n_groups=4"),
+    (dict(topk=0), "topk must be"), (dict(n_layers=0), "n_layers must be")])
+def test_model_config_refuses_a_model_that_cannot_be_built(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ModelConfig(**kwargs)
+
+
+def _update_biases_case(rank, world):
+    from smsplit.moe.router import update_biases
+
+    routers = [Router(dim=8, n_experts=4, topk=1) for _ in range(2)]
+    for r in routers:
+        r.load[:] = torch.tensor([3.0, 0.0, 1.0, 0.0]) * (rank + 1)
+    loads = update_biases(routers, dist.group.WORLD)
+    assert torch.equal(loads[0], torch.tensor([9.0, 0.0, 3.0, 0.0]))  # summed over the ranks
+    assert torch.equal(routers[0].bias, torch.tensor([-1e-3, 1e-3, 0.0, 1e-3]))  # against the mean load (3)
+    try:
+        update_biases(routers[: 1 + rank], dist.group.WORLD)  # rank 1 passes one router more
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_update_biases_sums_the_loads_and_ranks_that_disagree_all_raise():
+    from smsplit.ep.testing import gloo_pool
+
+    messages = gloo_pool(2).run(_update_biases_case)
+    assert all(m is not None and "the ranks pass different routers" in m for m in messages), messages

@@ -194,6 +194,16 @@ class MoE(nn.Module):
                  ep_size: int = 1, fp8_dispatch: bool = True, expert_alignment: int = 1,
                  combine_dtype: torch.dtype | None = torch.bfloat16):
         super().__init__()
+        for name, value in (("ep_size", ep_size), ("expert_alignment", expert_alignment), ("inter_dim", inter_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank must be an int in [0, ep_size={ep_size}), got {ep_rank!r}")
+        if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
+            raise ValueError(f"n_shared must be an int >= 0, got {n_shared!r}")
+        if fp8_dispatch and ep_size > 1 and dim % 128:
+            raise ValueError(f"dim={dim}: FP8 dispatch quantizes in tiles of 128 values, so dim must be a multiple "
+                             f"of 128 (or fp8_dispatch=False)")
         if n_experts % ep_size:
             raise ValueError(f"n_experts={n_experts} must divide evenly over ep_size={ep_size} ranks")
         self.n_experts, self.ep_rank, self.ep_size = n_experts, ep_rank, ep_size
@@ -215,6 +225,10 @@ class MoE(nn.Module):
             if self.ep_size != 1:
                 raise RuntimeError(f"ep_size={self.ep_size}: set moe.buffer to an smsplit.ep.Buffer first")
             return Dispatched(x, topk_idx, topk_weights, None, None)
+        if (self.buffer.group_size, self.buffer.rank) != (self.ep_size, self.ep_rank):
+            raise ValueError(f"moe.buffer: its group has {self.buffer.group_size} ranks and this is rank "
+                             f"{self.buffer.rank}, but the layer was made with ep_size={self.ep_size}, "
+                             f"ep_rank={self.ep_rank} (it holds the experts of that rank)")
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.n_experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = self.buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,

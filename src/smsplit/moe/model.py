@@ -37,6 +37,22 @@ class ModelConfig:
     fp8_dispatch: bool = True
     rope_theta: float = 10000.0
 
+    def __post_init__(self) -> None:
+        """Reject a model that cannot be built, before any process starts (the router checks its own
+        arguments again: groups, top-k, route_scale)."""
+        from smsplit.moe.router import _check_groups
+
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "inter_dim", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of an even size (RoPE)")
+        if self.fp8_dispatch and self.dim % 128:
+            raise ValueError(f"dim={self.dim}: FP8 dispatch quantizes in tiles of 128 values, so dim must be a "
+                             f"multiple of 128 (or fp8_dispatch=False)")
+        _check_groups(self.n_experts, self.topk, self.n_groups, self.topk_groups)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):

@@ -12,6 +12,9 @@ step ``update_bias`` lowers the bias of overloaded experts and raises it for und
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,7 +24,12 @@ from torch import nn
 def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, topk: int, n_groups: int,
                        topk_groups: int) -> torch.Tensor:
     """Expert ids ``[tokens, topk]`` (int64) chosen by ``scores + bias``, from at most ``topk_groups`` of
-    the ``n_groups`` contiguous expert groups. ``scores``: ``[tokens, n_experts]`` float."""
+    the ``n_groups`` contiguous expert groups. ``scores``: ``[tokens, n_experts]`` float; ``bias``:
+    ``[n_experts]``; ``n_experts`` must divide into ``n_groups`` and ``topk`` fit in ``topk_groups`` groups."""
+    if scores.dim() != 2 or bias.shape != scores.shape[1:]:
+        raise ValueError(f"scores must be [tokens, n_experts] and bias [n_experts], got {tuple(scores.shape)} and "
+                         f"{tuple(bias.shape)}")
+    _check_groups(scores.size(1), topk, n_groups, topk_groups)
     num_tokens, num_experts = scores.shape
     biased = scores + bias
     if n_groups > 1:
@@ -31,6 +39,25 @@ def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, topk: int, n_gr
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
         biased = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
     return biased.topk(topk, dim=-1).indices
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_groups(n_experts: int, topk: int, n_groups: int, topk_groups: int) -> None:
+    """The group-limited top-k's arguments: ints, groups that divide the experts, top-k that fits."""
+    for name, value in (("n_experts", n_experts), ("topk", topk), ("n_groups", n_groups),
+                        ("topk_groups", topk_groups)):
+        _check_int(name, value, 1)
+    if n_experts % n_groups:
+        raise ValueError(f"n_experts={n_experts} must divide into n_groups={n_groups} equal groups")
+    if not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"topk_groups must lie in [1, n_groups={n_groups}], got {topk_groups}")
+    if topk > topk_groups * (n_experts // n_groups):
+        raise ValueError(f"topk={topk} experts do not fit in topk_groups={topk_groups} groups of "
+                         f"{n_experts // n_groups}")
 
 
 class Router(nn.Module):
@@ -52,13 +79,11 @@ class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, n_groups: int = 1, topk_groups: int = 1,
                  route_scale: float = 1.0, bias_update_speed: float = 1e-3):
         super().__init__()
-        if n_experts % n_groups:
-            raise ValueError(f"n_experts={n_experts} must divide into n_groups={n_groups} equal groups")
-        if not 1 <= topk_groups <= n_groups:
-            raise ValueError(f"topk_groups must lie in [1, n_groups={n_groups}], got {topk_groups}")
-        if topk > topk_groups * (n_experts // n_groups):
-            raise ValueError(f"topk={topk} experts do not fit in topk_groups={topk_groups} groups of "
-                             f"{n_experts // n_groups}")
+        _check_int("dim", dim, 1)
+        _check_groups(n_experts, topk, n_groups, topk_groups)
+        for name, value in (("route_scale", route_scale), ("bias_update_speed", bias_update_speed)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.dim, self.n_experts, self.topk = dim, n_experts, topk
         self.n_groups, self.topk_groups = n_groups, topk_groups
         self.route_scale, self.bias_update_speed = route_scale, bias_update_speed
@@ -71,7 +96,9 @@ class Router(nn.Module):
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
         topk_idx = group_limited_topk(scores.detach(), self.bias, self.topk, self.n_groups, self.topk_groups)
         weights = scores.gather(1, topk_idx)
-        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        # (a floor for scores that underflow to 0: such weights come out 0, not NaN)
+        total = weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        weights = weights / total * self.route_scale
         if self.training:
             with torch.no_grad():
                 self.load.index_add_(0, topk_idx.flatten(), torch.ones(topk_idx.numel(), dtype=self.load.dtype, device=x.device))
@@ -86,9 +113,23 @@ class Router(nn.Module):
 
 @torch.no_grad()
 def update_biases(routers: list[Router], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """`Router.update_bias` for several routers with one all-reduce."""
+    """`Router.update_bias` for several routers with one all-reduce. With ``group``, every rank must pass as
+    many routers of the same sizes: the ranks first compare their counts (one small all-reduce) and all raise
+    ValueError if they differ, before the loads' all-reduce."""
+    sizes = [r.n_experts for r in routers]
+    if group is not None:
+        shape = [len(routers), sum(sizes), max(sizes, default=0)]
+        words = torch.tensor(shape + [-v for v in shape], dtype=torch.int64,
+                             device=routers[0].load.device if routers else _group_device(group))
+        dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
+        most, least = words[:3].tolist(), [-v for v in words[3:].tolist()]
+        if most != least:
+            raise ValueError(f"update_biases: the ranks pass different routers (count, experts in all, largest "
+                             f"from {least} to {most}); every rank must pass the same routers")
     if not routers:
         return []
+    if len(set(sizes)) > 1:
+        raise ValueError(f"update_biases: routers of different sizes {sorted(set(sizes))}: call it once per size")
     loads = torch.stack([r.load for r in routers])
     if group is not None:
         dist.all_reduce(loads, group=group)
@@ -96,3 +137,10 @@ def update_biases(routers: list[Router], group: dist.ProcessGroup | None = None)
         router.bias += router.bias_update_speed * torch.sign(load.mean() - load)
         router.load.zero_()
     return list(loads)
+
+
+def _group_device(group) -> torch.device:
+    """Where tensors for ``group``'s collectives live: the current CUDA device for NCCL, else the CPU."""
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
