@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Next session (2 H200), main after session 24: the changes made without a GPU (Buffer: DeepEP's constructor
 # keywords, config, static capture, destroy, tuple-style handles; previous_event waited for before the checks read
-# the inputs; DualPipe's step checks; Linear under autocast; argument checks in budget, trace, fp8, the demo): the
+# the inputs; DualPipe's step checks; Linear under autocast; argument checks in budget, trace, fp8, moe, the demo):
 # GPU tests outside the nvlink file (pipeline, MoE, budget, trace, fp8, copy engine, errors), then the nvlink file's
 # Buffer tests and kernel timeouts; then the demo on 2 GPUs.
 set -u
