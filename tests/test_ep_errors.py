@@ -194,3 +194,66 @@ def test_local_argument_errors_need_no_group():
         Buffer(None, timeout_s=0)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         Buffer(None, num_nvl_bytes=-1)
+
+
+def case_handles_of_different_calls(rank, world_size):
+    """Two dispatches with layouts of the same counts; then each rank passes the handle of another call."""
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    first = buffer.dispatch(**valid_call(rank, world_size, seed=1))
+    second = buffer.dispatch(**valid_call(rank, world_size, seed=2))
+    mine = first if rank == 0 else second
+    x = valid_call(rank, world_size, seed=3)["x"]
+    messages = [expect_rejected("handle", lambda: buffer.dispatch(x, handle=mine[4])),
+                expect_rejected("handle", lambda: buffer.combine(mine[0], mine[4]))]
+    round_trip(buffer, rank, world_size, seed=4)  # still usable, and so are the handles passed consistently
+    combined, _, _ = buffer.combine(first[0], first[4])
+    args = valid_call(rank, world_size, seed=1)
+    assert torch.equal(combined, (args["x"].float() * args["is_token_in_rank"].sum(1, keepdim=True)).to(torch.bfloat16))
+    return messages
+
+
+def test_handles_of_different_dispatch_calls_are_rejected_on_every_rank():
+    messages = gloo_pool(2).run(case_handles_of_different_calls)
+    assert all("the dispatch call that made the handle (call numbers) differs between ranks" in m
+               for per_rank in messages for m in per_rank), messages
+
+
+def case_bias_of_a_wrong_type(rank, world_size):
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(**valid_call(rank, world_size))
+    start = time.monotonic()
+    try:
+        buffer.combine(recv_x, handle, bias=5 if rank == 1 else None)
+    except EPArgumentError as error:
+        return error.argument, str(error), time.monotonic() - start
+    return None
+
+
+def test_a_bias_of_a_wrong_type_on_one_rank_is_rejected_on_every_rank_at_once():
+    results = gloo_pool(2).run(case_bias_of_a_wrong_type)
+    assert all(r is not None and r[0] == "bias" and r[2] < 5.0 for r in results), results
+    assert "got int" in results[1][1] and "rejected on rank 1" in results[0][1]
+
+
+def case_layout_of_other_routing(rank, world_size):
+    """A layout computed for one routing, passed with the top-k ids of another: every rank refuses it."""
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    args = valid_call(rank, world_size)
+    stale = valid_call(rank, world_size, seed=9)
+    results = []
+    for name in ("is_token_in_rank", "num_tokens_per_expert"):
+        bad = dict(args)
+        if rank == world_size - 1:
+            if name == "is_token_in_rank":  # both layout tensors of the other routing: the ranks differ
+                bad.update(is_token_in_rank=stale["is_token_in_rank"], num_tokens_per_rank=stale["num_tokens_per_rank"])
+            else:  # the ranks agree, the expert counts do not
+                bad["num_tokens_per_expert"] = args["num_tokens_per_expert"].flip(0)
+        results.append(expect_rejected(name, lambda: buffer.dispatch(**bad)))
+    round_trip(buffer, rank, world_size, seed=5)
+    return results
+
+
+def test_a_layout_that_is_not_the_top_k_ids_is_rejected_on_every_rank():
+    results = gloo_pool(2).run(case_layout_of_other_routing)
+    assert "does not match topk_idx" in results[1][0] and "rejected on rank 1" in results[0][0]
+    assert "does not match topk_idx" in results[1][1] and "rejected on rank 1" in results[0][1]

@@ -99,7 +99,9 @@ def dispatch_with_grad(buffer, x, topk_weights, fields: dict):
 
 def combine_with_grad(buffer, x, handle, topk_weights, bias, previous_event, async_finish):
     """`Buffer.combine` recorded by autograd (called by `Buffer.combine` when an input needs grad)."""
-    biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+    from .buffer import _bias_tuple
+
+    biases = _bias_tuple(bias)
     if len(biases) > 2:  # Buffer._combine rejects it with the argument's name
         return buffer._combine(x, handle, topk_weights, bias, previous_event, async_finish)
     bias_0, bias_1 = (tuple(biases) + (None, None))[:2]

@@ -23,8 +23,8 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OP_INIT, OP_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_INIT: "init", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 (H_OP, H_ROUND, H_STATUS, H_NUM_TOKENS, H_NUM_EXPERTS, H_HIDDEN, H_DTYPE, H_NUM_TOPK, H_FLAGS,
- H_NUM_WORST, H_NVL_BYTES) = range(11)
-HEADER_WORDS = 11  # followed by num_ranks words: the sender's num_tokens_per_rank
+ H_NUM_WORST, H_NVL_BYTES, H_HANDLE) = range(12)
+HEADER_WORDS = 12  # followed by num_ranks words: the sender's num_tokens_per_rank
 FLAG_SCALES, FLAG_TOPK_IDX, FLAG_TOPK_WEIGHTS, FLAG_CACHED, FLAG_BIAS = 1, 2, 4, 8, 16
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 
@@ -80,6 +80,14 @@ def _check_expert_range(low: int, high: int, num_experts: int) -> None:
     if low < -1 or high >= num_experts:
         raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
                                   f"got values in [{low}, {high}]")
+
+
+def _bias_tuple(bias) -> tuple:
+    """``bias`` as a tuple of what it holds (a tensor, or the items of a tuple or list); anything else gives ()
+    here, for the argument checks to reject on every rank."""
+    if isinstance(bias, torch.Tensor):
+        return (bias,)
+    return tuple(bias) if isinstance(bias, (tuple, list)) else ()
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -407,6 +415,7 @@ class Buffer:
                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                         num_worst_tokens, previous_event, fp8, dequantize, internal)
             self._fill_header(header, spec)
+            header[:, H_HANDLE] = handle.round if handle is not None else 0
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = _status_code(e)
@@ -438,7 +447,7 @@ class Buffer:
                 rank_prefix_matrix=rank_prefix_matrix_from_counts(tokens_from_to, self.device),
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
                 num_recv_tokens=recv_per_rank[self.rank], num_worst_tokens=num_worst_tokens,
-                num_local_experts=num_local_experts)
+                num_local_experts=num_local_experts, round=self._round)
             # (the reference transport's own plan of the layout is made when it first moves data with it)
 
         if use_nvlink:
@@ -523,7 +532,8 @@ class Buffer:
                 buffer_id=id(self), rank=self.rank, num_ranks=self.group_size, is_token_in_rank=is_token_in_rank,
                 rank_prefix_matrix=torch.empty(0, dtype=torch.int32, device=self.device),
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
-                num_recv_tokens=-1, num_worst_tokens=worst, num_local_experts=spec["num_experts"] // self.group_size)
+                num_recv_tokens=-1, num_worst_tokens=worst, num_local_experts=spec["num_experts"] // self.group_size,
+                round=self._round)
         recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
             handle, cached, values, scales, quantize, topk_idx, topk_weights, handle.num_local_experts)
         if not cached:
@@ -576,7 +586,7 @@ class Buffer:
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
         self._check_alive()
-        biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+        biases = _bias_tuple(bias)
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
         if torch.is_grad_enabled() and needs_grad:
             from .autograd import combine_with_grad
@@ -597,6 +607,7 @@ class Buffer:
         error = None
         try:
             biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+            header[:, H_HANDLE] = handle.round
             if x is not None:
                 header[:, H_HIDDEN] = x.size(1)
                 header[:, H_DTYPE] = DTYPE_CODES[x.dtype]
@@ -809,15 +820,29 @@ class Buffer:
         to the host (one synchronization) for all of them."""
         num_ranks = self.group_size
         parts = [num_tokens_per_rank.long(), is_token_in_rank.sum(0), num_tokens_per_expert.long()]
-        if topk_idx is not None and topk_idx.numel():
-            parts.append(torch.stack(torch.aminmax(topk_idx)))
+        with_topk = topk_idx is not None and topk_idx.numel() > 0
+        if with_topk:  # the layout must be topk_idx's: the ranks and the expert counts it implies
+            valid = (topk_idx >= 0) & (topk_idx < num_experts)
+            experts = torch.where(valid, topk_idx, torch.zeros_like(topk_idx))
+            ranks_of = experts // max(1, num_experts // num_ranks)
+            implied = torch.zeros(topk_idx.size(0), num_ranks, dtype=torch.int32, device=topk_idx.device)
+            implied = implied.scatter_add_(1, ranks_of.clamp(max=num_ranks - 1), valid.int()) > 0
+            parts += [torch.stack(torch.aminmax(topk_idx)), (implied != is_token_in_rank).sum().view(1),
+                      torch.bincount(experts[valid], minlength=num_experts)[:num_experts]]
         values = torch.cat(parts).tolist()
         per_rank, in_rank = values[:num_ranks], values[num_ranks:2 * num_ranks]
         per_expert = values[2 * num_ranks:2 * num_ranks + num_experts]
         if per_rank != in_rank:
             raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
-        if len(values) > 2 * num_ranks + num_experts:
-            _check_expert_range(*values[-2:], num_experts)
+        if with_topk:
+            rest = values[2 * num_ranks + num_experts:]
+            _check_expert_range(rest[0], rest[1], num_experts)
+            if rest[2]:
+                raise _reject("is_token_in_rank", f"does not match topk_idx in {rest[2]} entries (a token goes to "
+                                                  f"the ranks of its experts: get_dispatch_layout(topk_idx, ...))")
+            if rest[3:] != per_expert:
+                raise _reject("num_tokens_per_expert", "does not match topk_idx (the tokens that chose each expert: "
+                                                       "get_dispatch_layout(topk_idx, ...))")
         return dict(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
 
     def _check_combine(self, x, handle, topk_weights, bias, previous_event, internal) -> Tuple[torch.Tensor, ...]:
@@ -839,7 +864,9 @@ class Buffer:
                                                    f"{self.num_nvl_bytes}")
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,), (rows, None))
-        biases = () if bias is None else ((bias,) if isinstance(bias, torch.Tensor) else tuple(bias))
+        if bias is not None and not isinstance(bias, (torch.Tensor, tuple, list)):
+            raise _reject("bias", f"expected None, a tensor, or a tuple of two tensors, got {type(bias).__name__}")
+        biases = _bias_tuple(bias)
         if len(biases) > 2 or (biases and x is None):
             raise _reject("bias", "expected None, a tensor, or a tuple of two tensors")
         for b in biases:
@@ -928,6 +955,8 @@ class Buffer:
                   (H_NUM_TOPK, None, "topk_idx", "num_topk")]
         if op == OP_DISPATCH:
             checks.append((H_NUM_EXPERTS, None, "num_tokens_per_expert", "num_experts"))
+        # the handle of a cached dispatch or a combine: made by the same dispatch call on every rank
+        checks.append((H_HANDLE, None, "handle", "the dispatch call that made the handle (call numbers)"))
         for word, mask, argument, what in checks:
             values = [row[word] if mask is None else row[word] & mask for row in rows]
             if len(set(values)) != 1:

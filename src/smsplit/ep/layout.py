@@ -125,6 +125,8 @@ class DispatchHandle:
         num_local_experts: experts held by each rank (0 if the dispatch that made the handle had no top-k).
         transport_state: whatever the transport precomputed for this layout (the reference transport keeps the
             host-side send and receive counts here).
+        round: the number of the `Buffer` call that made it, the same on every rank: a cached dispatch or a
+            combine checks that every rank passes the handle of the same call.
     """
 
     buffer_id: int
@@ -137,6 +139,7 @@ class DispatchHandle:
     num_worst_tokens: int
     num_local_experts: int
     transport_state: Any = None
+    round: int = 0
 
     def __getitem__(self, index: int):
         """DeepEP's intranode handle is a tuple ``(rank_prefix_matrix, channel_prefix_matrix,
