@@ -79,6 +79,18 @@ def case_peer_never_arrives(rank, world_size):
     return elapsed
 
 
+def case_peer_arrives_late(rank, world_size):
+    """Rank 1 comes to a call after rank 0 gave up waiting: it raises too, naming rank 0, instead of reading
+    rank 0's rows of the abandoned call and going on."""
+    transport = new_transport(timeout_s=1.0)
+    transport.exchange_headers("init", "rows", rows_sent(rank, world_size, 0, 2))
+    if rank == 1:
+        time.sleep(2.0)
+    with pytest.raises(EPTimeoutError) as caught:
+        transport.exchange_headers("combine", "status", rows_sent(rank, world_size, 1, 2))
+    return caught.value.peer, str(caught.value)
+
+
 def case_out_of_step(rank, world_size):
     transport = new_transport()
     transport.exchange_headers("init", "rows", rows_sent(rank, world_size, 0, 2))
@@ -111,3 +123,9 @@ def test_missing_peer_raises_timeout_naming_it(world_size):
 
 def test_ranks_sending_different_sizes_raise():
     gloo_pool(2).run(case_out_of_step)
+
+
+def test_a_peer_that_arrives_after_the_timeout_raises_too():
+    (peer0, message0), (peer1, message1) = gloo_pool(2).run(case_peer_arrives_late)
+    assert peer0 == 1 and "waiting for status from rank 1" in message0
+    assert peer1 == 0 and "rank 0 timed out waiting for this rank (rank 1)" in message1

@@ -31,6 +31,7 @@ from .transport import EPError, EPTimeoutError, poll_until
 SHM_DIR = "/dev/shm"
 MAX_WORDS = 1 << 16  # payload capacity of a slot in int64 words (512 KiB; pages are touched only as used)
 SLOT_HEAD = 3  # round, words, crc32
+GAVE_UP = -2  # the words of a slot whose rank timed out waiting in that round (a late peer then raises too)
 ENV_SWITCH = "SMSPLIT_EP_HOST_HEADERS"  # "0": exchange headers through the process group instead
 
 
@@ -147,6 +148,7 @@ class HostHeaders:
             return not waiting
 
         if not poll_until(arrived, time.monotonic() + timeout_s):
+            self._words[own + 1] = GAVE_UP  # a peer that comes later finds this and raises instead of going on
             phase = f"{op}: waiting for {what} from rank {waiting[0]}"
             raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
         return torch.from_numpy(out)
@@ -159,6 +161,10 @@ class HostHeaders:
         if int(self._words[slot]) != n:
             return None
         sent = int(self._words[slot + 1])
+        if sent == GAVE_UP:
+            phase = f"{op}: exchanging {what}"
+            raise EPTimeoutError(f"{phase}: rank {q} timed out waiting for this rank (rank {self.rank}) in this call "
+                                 f"before it arrived; the buffer is unusable", q, phase)
         if not 0 <= sent <= MAX_WORDS:
             return None  # not all of the slot's stores are visible yet
         payload = self._words[slot + SLOT_HEAD:slot + SLOT_HEAD + sent].copy()
