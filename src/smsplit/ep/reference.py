@@ -108,7 +108,12 @@ class ReferenceTransport(Transport):
         if not ops:
             return recv
         deadline = time.monotonic() + self.timeout_s
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:  # (gloo: a peer's connection closed, e.g. after it gave up)
+            message = f"{op}: posting {what} to and from ranks {sorted({peer for _, peer in kinds})}"
+            self.failure = message
+            raise EPError(f"{message} failed: {error}") from error
         if len(works) == len(ops):
             # Receives first: a peer that never arrives is named by the first receive that times out.
             order = sorted(range(len(ops)), key=lambda i: (kinds[i][0] != "recv", kinds[i][1]))
