@@ -31,7 +31,8 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 # Status word: 0 = arguments fine, else 1 + the index of the rejected argument here.
 ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
              "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
-             "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms")
+             "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms",
+             "num_rdma_bytes", "low_latency_mode")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
@@ -172,19 +173,25 @@ class Buffer:
                 configure DeepEP's RDMA and low-latency paths).
             explicitly_destroy: accepted; `destroy` works either way.
         """
-        if num_rdma_bytes != 0:
-            raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
-        if low_latency_mode:
-            raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist "
-                                              "here")
-        if group is None:
-            group = dist.group.WORLD
-        if backend not in BACKENDS:
-            raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
-        _check_int("num_nvl_bytes", num_nvl_bytes, 0)
-        _check_int("num_sms", num_sms, 1)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise _reject("timeout_s", f"expected a number of seconds > 0, got {timeout_s!r}")
+        if group is None:
+            group = dist.group.WORLD
+        error = None  # an argument error: raised on every rank after the first header exchange (below)
+        try:
+            if num_rdma_bytes != 0:
+                raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
+            if low_latency_mode:
+                raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels "
+                                                  "exist here")
+            if backend not in BACKENDS:
+                raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+            _check_int("num_nvl_bytes", num_nvl_bytes, 0)
+            _check_int("num_sms", num_sms, 1)
+        except EPArgumentError as e:
+            if group is None:  # no process group to tell the others through
+                raise
+            error = e
 
         self.group = group
         self.rank = group.rank()
@@ -199,12 +206,12 @@ class Buffer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        if self.backend in DEVICE_BACKENDS and self.device.type != "cuda":
-            raise _reject("backend", f"backend={self.backend!r} moves CUDA tensors over NVLink: it needs an NCCL group "
-                                     "(this group is gloo); use backend='reference'")
-        if self.backend in DEVICE_BACKENDS and num_nvl_bytes == 0:
-            raise _reject("num_nvl_bytes", f"backend={self.backend!r} needs a receive buffer: size it with "
-                                           f"Buffer.get_buffer_size_hint(..., backend={self.backend!r})")
+        if error is None and self.backend in DEVICE_BACKENDS and self.device.type != "cuda":
+            error = _reject("backend", f"backend={self.backend!r} moves CUDA tensors over NVLink: it needs an NCCL "
+                                       "group (this group is gloo); use backend='reference'")
+        if error is None and self.backend in DEVICE_BACKENDS and num_nvl_bytes == 0:
+            error = _reject("num_nvl_bytes", f"backend={self.backend!r} needs a receive buffer: size it with "
+                                             f"Buffer.get_buffer_size_hint(..., backend={self.backend!r})")
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
@@ -212,10 +219,13 @@ class Buffer:
         self._destroyed = False
 
         header = self._header(OP_INIT)
-        header[:, H_NVL_BYTES] = num_nvl_bytes
-        header[:, H_NUM_TOKENS] = self.num_sms  # the NVLink kernels wait for this many programs of every peer
+        header[:, H_NVL_BYTES] = num_nvl_bytes if error is None else 0
+        header[:, H_NUM_TOKENS] = self.num_sms if error is None else 0  # the NVLink kernels wait for this many
+        # programs of every peer
         header[:, H_FLAGS] = BACKENDS.index(self.backend)
-        headers = self._exchange(OP_INIT, "the buffer size", header, None)
+        if error is not None:
+            header[:, H_STATUS] = _status_code(error)
+        headers = self._exchange(OP_INIT, "the buffer size", header, error)
         for word, argument, what in ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"),
                                      (H_FLAGS, "backend", "backend"),
                                      (H_NUM_TOKENS, "num_sms", "num_sms (or budget.comm_sms)")):
