@@ -253,6 +253,25 @@ def case_layout_of_other_routing(rank, world_size):
     return results
 
 
+def case_repeated_expert_ids(rank, world_size):
+    """A token that names one expert twice counts once for it in get_dispatch_layout's layout, which the
+    dispatch's check of the layout against topk_idx must accept."""
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    x = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    topk = torch.tensor([[0, 0, 5], [4, 4, 4], [1, 6, -1]])
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, NUM_EXPERTS)
+    recv_x, _, _, counts, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, topk_idx=topk)
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+    return counts
+
+
+def test_a_token_naming_an_expert_twice_is_dispatched():
+    counts = gloo_pool(2).run(case_repeated_expert_ids)
+    assert counts[0][0] == 2 and counts[1][0] == 2  # expert 0 (tokens 0 of both ranks), expert 4 (token 1)
+
+
 def test_a_layout_that_is_not_the_top_k_ids_is_rejected_on_every_rank():
     results = gloo_pool(2).run(case_layout_of_other_routing)
     assert "does not match topk_idx" in results[1][0] and "rejected on rank 1" in results[0][0]

@@ -831,14 +831,11 @@ class Buffer:
         num_ranks = self.group_size
         parts = [num_tokens_per_rank.long(), is_token_in_rank.sum(0), num_tokens_per_expert.long()]
         with_topk = topk_idx is not None and topk_idx.numel() > 0
-        if with_topk:  # the layout must be topk_idx's: the ranks and the expert counts it implies
-            valid = (topk_idx >= 0) & (topk_idx < num_experts)
-            experts = torch.where(valid, topk_idx, torch.zeros_like(topk_idx))
-            ranks_of = experts // max(1, num_experts // num_ranks)
-            implied = torch.zeros(topk_idx.size(0), num_ranks, dtype=torch.int32, device=topk_idx.device)
-            implied = implied.scatter_add_(1, ranks_of.clamp(max=num_ranks - 1), valid.int()) > 0
-            parts += [torch.stack(torch.aminmax(topk_idx)), (implied != is_token_in_rank).sum().view(1),
-                      torch.bincount(experts[valid], minlength=num_experts)[:num_experts]]
+        if with_topk:  # the layout must be topk_idx's (ids out of range, rejected below, are left out of it)
+            in_range = torch.where(topk_idx < num_experts, topk_idx, torch.full_like(topk_idx, -1))
+            _, implied_per_expert, implied_in_rank = compute_dispatch_layout(in_range, num_experts, num_ranks)
+            parts += [torch.stack(torch.aminmax(topk_idx)), (implied_in_rank != is_token_in_rank).sum().view(1),
+                      implied_per_expert.long()]
         values = torch.cat(parts).tolist()
         per_rank, in_rank = values[:num_ranks], values[num_ranks:2 * num_ranks]
         per_expert = values[2 * num_ranks:2 * num_ranks + num_experts]
