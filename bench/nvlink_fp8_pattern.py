@@ -44,13 +44,14 @@ def fp8_pattern_kernel(x_ptr, peer_ptr, own_ptr, peer_s_ptr, own_s_ptr, peer_m_p
                        WIDE: tl.constexpr, SCALES: tl.constexpr, META: tl.constexpr, TB: tl.constexpr,
                        QG: tl.constexpr):
     """Rows of x (bf16 ``[T, H]``) to ``H``-byte rows at ``peer_ptr`` and ``own_ptr`` (int32 words), the dispatch's
-    way (see the module docstring); scales (``[T, H // 128]`` words) and metadata (``[T, 32]`` int32 words: 16 for
-    the ids, 8 for the weights, 1 for the source) beside them."""
+    way (see the module docstring); scales (``[T, H // 128]`` words) and metadata (int32 words ``[T, 16]`` for the
+    ids, then ``[T, 8]`` for the weights, then ``[T]`` for the source, as three regions like the dispatch's) beside
+    them."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     n_groups = H // 128
     row_words = H // 4
     f = tl.arange(0, QG * 8)[None, :]
-    meta = tl.arange(0, 32)[None, :]
+    k16 = tl.arange(0, 16)[None, :]
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         tmask = t < T
@@ -58,7 +59,9 @@ def fp8_pattern_kernel(x_ptr, peer_ptr, own_ptr, peer_s_ptr, own_s_ptr, peer_m_p
         if META:
             for dst in tl.static_range(2):
                 m_base = peer_m_ptr if dst == 0 else own_m_ptr
-                tl.store(m_base + t64 * 32 + meta, t[:, None] + meta, mask=tmask[:, None] & (meta < 25))
+                tl.store(m_base + t64 * 16 + k16, t[:, None] + k16, mask=tmask[:, None])
+                tl.store(m_base + T * 16 + t64 * 8 + k16, t[:, None] - k16, mask=tmask[:, None] & (k16 < 8))
+                tl.store(m_base + T * 24 + t64, t[:, None], mask=tmask[:, None])
         for g0 in range(0, n_groups, QG):
             a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, tmask, g0, H, QG, TB)
             q0, q1 = tl.reshape(a0, (TB, QG * 8)), tl.reshape(a1, (TB, QG * 8))
@@ -97,7 +100,7 @@ def worker(rank, world, port, args, queue):
     G = H // 128
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    words = T * H // 4 + T * G + T * 32
+    words = T * H // 4 + T * G + T * 25
     buf = symm_mem.empty(words, dtype=torch.int32, device=dev)  # [rows | scales | meta] received from the peer
     handle = symm_mem.rendezvous(buf, dist.group.WORLD)
     peer = (rank + 1) % world
