@@ -1,5 +1,6 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
-`bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/nvlink_store_width.py`, `bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+`bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/nvlink_store_width.py`, `bench/nvlink_push_pull.py`, `bench/nvlink_fp8_pattern.py`,
+`bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
 the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
@@ -114,3 +115,55 @@ def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_
     assert text.count("%globaltimer") == 3 and text.index("bar.sync") < text.rindex("%globaltimer")
     text, _ = ptx.compile_for_sm90(start_together.stamp_kernel, {"stamp_ptr": "*i64"}, {}, num_warps=1)
     assert "%globaltimer" in text
+
+
+def test_push_pull_kernel_stores_into_the_peer_and_loads_from_it():
+    import nvlink_push_pull
+
+    sig = {"src_ptr": "*i32", "peer_src_ptr": "*i32", "dst_ptr": "*i32", "peer_dst_ptr": "*i32", "n_push": "i32",
+           "n_vec": "i32", "BLOCK": "constexpr"}
+    text, _ = ptx.compile_for_sm90(nvlink_push_pull.push_pull_kernel, sig, {"BLOCK": 2048}, num_warps=16,
+                                   aligned=["src_ptr", "peer_src_ptr", "dst_ptr", "peer_dst_ptr"])
+    per_thread = 2048 // (32 * 16)
+    # one 16-byte load and one 16-byte store per vector of each range (pushed, pulled)
+    assert text.count(ptx.INSTRUCTIONS["ld_global_nc_v4"]) == 2 * per_thread
+    assert text.count(ptx.INSTRUCTIONS["st_global_na_v4"]) == 2 * per_thread
+
+
+def test_fp8_pattern_kernel_stores_as_the_dispatch_does():
+    import nvlink_fp8_pattern
+
+    sig = {"x_ptr": "*bf16", "peer_ptr": "*i32", "own_ptr": "*i32", "peer_s_ptr": "*i32", "own_s_ptr": "*i32",
+           "peer_m_ptr": "*i32", "own_m_ptr": "*i32", "T": "i32", "H": "i32", "WIDE": "constexpr",
+           "SCALES": "constexpr", "META": "constexpr", "TB": "constexpr", "QG": "constexpr"}
+    aligned = [name for name, kind in sig.items() if kind.startswith("*")] + ["H"]
+    for wide in (False, True):
+        text, _ = ptx.compile_for_sm90(nvlink_fp8_pattern.fp8_pattern_kernel, sig,
+                                       {"WIDE": wide, "SCALES": True, "META": True, "TB": 16, "QG": 8},
+                                       num_warps=16, aligned=aligned)
+        # the rows: 8-byte halves or 16-byte stores, never both; scales one word at a time; no shared memory
+        assert (ptx.INSTRUCTIONS["st_global_na_v4"] in text) == wide
+        assert (ptx.INSTRUCTIONS["st_global_na_v2"] in text) != wide
+        assert ptx.INSTRUCTIONS["st_global_b32"] in text and "bar.sync" not in text
+
+
+def test_fp8_pattern_expected_rows_place_each_vector_where_the_kernel_stores_it():
+    import nvlink_fp8_pattern
+    import torch
+
+    H = 256
+    x = torch.arange(2 * H, dtype=torch.int16).view(torch.bfloat16).view(2, H)  # value k of a row holds k
+    words = x.view(torch.int32).view(2, H // 2)
+    for wide in (False, True):
+        rows = nvlink_fp8_pattern.expected_rows(x, wide)
+        for t in range(2):
+            for g in range(H // 128):
+                for j in range(8):  # thread j of group g: words 0-1 of vectors j and j + 8 (4 words each)
+                    first = words[t, 64 * g + 4 * j: 64 * g + 4 * j + 2]
+                    second = words[t, 64 * g + 4 * (j + 8): 64 * g + 4 * (j + 8) + 2]
+                    if wide:  # 16 contiguous bytes at byte 16 j of the group's 128
+                        got = rows[t, 32 * g + 4 * j: 32 * g + 4 * j + 4]
+                        assert torch.equal(got, torch.cat([first, second]))
+                    else:  # 8 bytes at 8 j, 8 at 64 + 8 j
+                        assert torch.equal(rows[t, 32 * g + 2 * j: 32 * g + 2 * j + 2], first)
+                        assert torch.equal(rows[t, 32 * g + 16 + 2 * j: 32 * g + 16 + 2 * j + 2], second)
