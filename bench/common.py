@@ -120,6 +120,21 @@ def join_nccl(rank: int, world: int, port: int) -> torch.device:
     return dev
 
 
+def symmetric_with_next(numel: int, dtype: torch.dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric-memory buffer of ``numel`` elements on every rank of the default group, and this rank's view of
+    the next rank's (``rank + 1`` mod world, across NVLink): ``(own, next_ranks)``."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    buf = symm_mem.empty(numel, dtype=dtype, device=dev)
+    handle = symm_mem.rendezvous(buf, group)
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    return buf, handle.get_buffer(peer, (numel,), dtype, storage_offset=0)
+
+
 def routed_tokens(rank: int, world: int, dev, tokens: int = 4096, hidden: int = 7168, experts: int = 256,
                   topk: int = 8):
     """One rank's EP benchmark inputs, seeded by its rank: bf16 tokens, uniform random top-k expert ids and

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import end_worker, join_nccl, max_over_ranks, run_and_write, time_ms  # noqa: E402
+from common import end_worker, join_nccl, max_over_ranks, run_and_write, symmetric_with_next, time_ms  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
 from smsplit.ep.nvlink import chunk_halves, load_chunk  # noqa: E402
@@ -68,12 +68,12 @@ def fp8_pattern_kernel(x_ptr, peer_ptr, own_ptr, peer_s_ptr, own_s_ptr, peer_m_p
             q2, q3 = tl.reshape(b0, (TB, QG * 8)), tl.reshape(b1, (TB, QG * 8))
             g = g0 + f // 8
             ok = tmask[:, None] & (g < n_groups)
+            lo, hi = chunk_halves(g0, QG)
             for dst in tl.static_range(2):
                 row = (peer_ptr if dst == 0 else own_ptr) + t64 * row_words
                 if WIDE:
                     ptx.st_global_na_v4(row + 32 * g + 4 * (f % 8), q0, q1, q2, q3, ok)
                 else:
-                    lo, hi = chunk_halves(g0, QG)
                     ptx.st_global_na_v2(row + lo, q0, q1, ok)
                     ptx.st_global_na_v2(row + hi, q2, q3, ok)
                 if SCALES:
@@ -94,17 +94,11 @@ def expected_rows(x: torch.Tensor, wide: bool) -> torch.Tensor:
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     T, H = args.tokens, args.hidden
     G = H // 128
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
     words = T * H // 4 + T * G + T * 25
-    buf = symm_mem.empty(words, dtype=torch.int32, device=dev)  # [rows | scales | meta] received from the peer
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    buf, peer_buf = symmetric_with_next(words, torch.int32, dev)  # [rows | scales | meta] received from the peer
     peer = (rank + 1) % world
-    peer_buf = handle.get_buffer(peer, (words,), torch.int32, storage_offset=0)
 
     def regions(b):
         return b[: T * H // 4], b[T * H // 4: T * H // 4 + T * G], b[T * H // 4 + T * G:]
@@ -115,13 +109,14 @@ def worker(rank, world, port, args, queue):
     g = torch.Generator(device="cpu").manual_seed(200 + rank)
     x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
     x_peer = torch.randn(T, H, generator=torch.Generator(device="cpu").manual_seed(200 + peer)).to(torch.bfloat16)
+    expected = {wide: expected_rows(x_peer, wide) for wide in (False, True)}
     rows = []
     for P in args.programs:
         for wide in (False, True):
             for scales, meta in ((False, False), (True, False), (True, True)):
                 def move():
-                    fp8_pattern_kernel[(P,)](x, peer_rows, own_rows, peer_s, own_s, peer_m, own_m, T, H, WIDE=wide, SCALES=scales, META=meta, TB=args.tb,
-                        QG=args.qg, num_warps=args.warps)
+                    fp8_pattern_kernel[(P,)](x, peer_rows, own_rows, peer_s, own_s, peer_m, own_m, T, H, WIDE=wide,
+                                             SCALES=scales, META=meta, TB=args.tb, QG=args.qg, num_warps=args.warps)
                 buf.fill_(-1)
                 torch.cuda.synchronize()
                 dist.barrier(device_ids=[rank])
@@ -129,7 +124,7 @@ def worker(rank, world, port, args, queue):
                 torch.cuda.synchronize()
                 dist.barrier(device_ids=[rank])
                 got = regions(buf)[0].view(T, H // 4).cpu()
-                equal = bool(torch.equal(got, expected_rows(x_peer, wide)))
+                equal = bool(torch.equal(got, expected[wide]))
                 equal = max_over_ranks(float(not equal), dev) == 0
                 ms = max_over_ranks(time_ms(move, warmup=3, repeat=args.reps)["median_ms"], dev)
                 name = ("wide" if wide else "halves") + (" + scales" if scales else "") + (" + meta" if meta else "")

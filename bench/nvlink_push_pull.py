@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import end_worker, join_nccl, max_over_ranks, run_and_write, time_ms  # noqa: E402
+from common import end_worker, join_nccl, max_over_ranks, run_and_write, symmetric_with_next, time_ms  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
 
@@ -53,15 +53,9 @@ def push_pull_kernel(src_ptr, peer_src_ptr, dst_ptr, peer_dst_ptr, n_push, n_vec
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     n_words = args.mbytes * 2**20 // 16 * 4
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    buf = symm_mem.empty(2 * n_words, dtype=torch.int32, device=dev)  # [src | dst]
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    buf, peer_buf = symmetric_with_next(2 * n_words, torch.int32, dev)  # [src | dst]
     peer = (rank + 1) % world
-    peer_buf = handle.get_buffer(peer, (2 * n_words,), torch.int32, storage_offset=0)
     src, dst = buf[:n_words], buf[n_words:]
     peer_src, peer_dst = peer_buf[:n_words], peer_buf[n_words:]
     expected = torch.randint(-2**31, 2**31 - 1, (n_words,), dtype=torch.int32,

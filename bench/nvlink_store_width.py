@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import end_worker, join_nccl, max_over_ranks, run_and_write, time_ms  # noqa: E402
+from common import end_worker, join_nccl, max_over_ranks, run_and_write, symmetric_with_next, time_ms  # noqa: E402
 
 from smsplit import ptx  # noqa: E402
 
@@ -51,15 +51,8 @@ def push_kernel(src_ptr, peer_ptr, own_ptr, n_vec, WIDE: tl.constexpr, OWN: tl.c
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     n_words = args.mbytes * 2**20 // 16 * 4  # int32 words, whole 16-byte vectors
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    buf = symm_mem.empty(n_words, dtype=torch.int32, device=dev)
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
-    peer = (rank + 1) % world
-    into_peer = handle.get_buffer(peer, (n_words,), torch.int32, storage_offset=0)
+    buf, into_peer = symmetric_with_next(n_words, torch.int32, dev)
     g = torch.Generator(device="cpu").manual_seed(rank)
     src = torch.randint(-2**31, 2**31 - 1, (n_words,), generator=g, dtype=torch.int32).to(dev)
     own = torch.empty_like(src)
