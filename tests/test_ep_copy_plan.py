@@ -21,6 +21,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     t.combine_copy_share = copy_share
     t.num_sms, t.quantize_tokens_per_step = 2, 4  # FP8 staging launches end on rounds of 8 tokens
     t.combine_chunks = None
+    t.e4m3_store_bytes, t.scales_after_row = 16, False
     t.status = torch.zeros(4, dtype=torch.int32)
     t.device = torch.device("cpu")
     return t
@@ -252,4 +253,7 @@ def test_quantized_rows_by_is_checked_before_any_launch():
     tr.quantized_rows_by = "copy engines"
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="quantized_rows_by must be one of"):
+        tr.dispatch(x, None, None, None, torch.ones(4, 2, dtype=torch.bool), 4, quantize=True)
+    tr.quantized_rows_by, tr.e4m3_store_bytes = "sm", 12
+    with pytest.raises(ValueError, match="e4m3_store_bytes must be 8 or 16"):
         tr.dispatch(x, None, None, None, torch.ones(4, 2, dtype=torch.bool), 4, quantize=True)

@@ -315,20 +315,27 @@ def load_tokens(t, tmask, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, 
 
 
 @triton.jit
-def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
+def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr, WIDE: tl.constexpr = False):
     """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of a bf16 x, two 16-byte vectors
     per thread: the four int32 words of vector ``j`` of each group and of vector ``j + 8`` (eight blocks
     ``[TB, QG, 8]``; zeros past the row or for masked tokens), for `quantize_chunk`: each load of a warp reads whole
     128-byte runs (adjacent vectors per thread would use half of every 32-byte sector a load touches). A dispatch
     loads the next chunk before it quantizes this one, so that the loads' latency hides behind the arithmetic.
-    Placeholders for other dtypes, which `quantize_chunk` loads itself."""
+    Placeholders for other dtypes, which `quantize_chunk` loads itself. WIDE: vectors ``2 j`` and ``2 j + 1``
+    instead (the thread's 16 values adjacent, for one 16-byte store of their e4m3 bytes: `chunk_vectors`), through
+    L1 so that the second load of each sector is served there."""
     j3 = tl.arange(0, 8)[None, None, :]  # the group's 8 threads
     if x_ptr.dtype.element_ty == tl.bfloat16:
         g3 = g0 + tl.arange(0, QG)[None, :, None]
-        words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 4 * j3
         ok = tmask[:, None, None] & (g3 < H // 128) & (j3 < 8)
-        a0, a1, a2, a3 = ptx.ld_global_nc_v4(words, ok)
-        b0, b1, b2, b3 = ptx.ld_global_nc_v4(words + 32, ok)
+        if WIDE:
+            words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 8 * j3
+            a0, a1, a2, a3 = ptx.ld_global_nc_l1_v4(words, ok)
+            b0, b1, b2, b3 = ptx.ld_global_nc_l1_v4(words + 4, ok)
+        else:
+            words = x_ptr.to(tl.pointer_type(tl.int32)) + t64[:, :, None] * (H // 2) + g3 * 64 + 4 * j3
+            a0, a1, a2, a3 = ptx.ld_global_nc_v4(words, ok)
+            b0, b1, b2, b3 = ptx.ld_global_nc_v4(words + 32, ok)
     else:
         a0 = tl.zeros((TB, QG, 8), dtype=tl.int32)
         a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
@@ -336,13 +343,15 @@ def load_chunk(x_ptr, t64, tmask, g0, H, QG: tl.constexpr, TB: tl.constexpr):
 
 
 @triton.jit
-def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG: tl.constexpr, TB: tl.constexpr):
+def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG: tl.constexpr, TB: tl.constexpr,
+                   WIDE: tl.constexpr = False):
     """Groups ``g0 .. g0 + QG - 1`` (128 values each) of rows ``t64`` (``[TB, 1]``) of x quantized to e4m3, bit for
     bit `smsplit.fp8.quantize_1x128`: two pairs of int32 words, each pair 8 e4m3 bytes (``[TB, QG * 8]`` each,
     stored at the word offsets `chunk_halves` gives) and the scales ``[TB, QG]``. A bf16 x comes as `load_chunk`
     loaded it and is quantized on packed words, each thread the sixteen values of its two loads
     (`smsplit.fp8.quantize_e4m3_bf16_vector_pairs`: nothing moves between threads but the group maxima); other
-    dtypes (fp32, fp16) are loaded here and quantized as fp32 values."""
+    dtypes (fp32, fp16) are loaded here and quantized as fp32 values. WIDE: the words in `load_chunk`'s WIDE layout
+    (each thread's 16 values adjacent)."""
     if x_ptr.dtype.element_ty == tl.bfloat16:
         q0, q1, q2, q3, scale = quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3)
         q0, q1 = tl.reshape(q0, (TB, QG * 8)), tl.reshape(q1, (TB, QG * 8))
@@ -353,17 +362,22 @@ def quantize_chunk(x_ptr, t64, tmask, g0, H, a0, a1, a2, a3, b0, b1, b2, b3, QG:
         xf = tl.load(x_ptr + t64[:, :, None] * H + g3 * 128 + c3, mask=tmask[:, None, None] & (g3 < H // 128),
                      other=0.0).to(tl.float32)
         q, scale = quantize_e4m3_groups(xf, 2)
-        q0, q1, q2, q3 = e4m3_halves(q, TB, QG)
+        q0, q1, q2, q3 = e4m3_halves(q, TB, QG, WIDE)
     return q0, q1, q2, q3, scale
 
 
 @triton.jit
-def e4m3_halves(q, TB: tl.constexpr, QG: tl.constexpr):
+def e4m3_halves(q, TB: tl.constexpr, QG: tl.constexpr, WIDE: tl.constexpr = False):
     """e4m3 bytes ``q`` (``[TB, QG, 128]``) as `quantize_chunk` returns a bf16 x's: per thread ``j`` of a group the
-    two words of values ``8 j ..`` and the two of values ``64 + 8 j ..`` (``[TB, QG * 8]`` each)."""
+    two words of values ``8 j ..`` and the two of values ``64 + 8 j ..`` (``[TB, QG * 8]`` each); WIDE: of values
+    ``16 j ..`` and ``16 j + 8 ..``."""
     w0, w1 = e4m3_v2_words(q, TB, QG)  # 8-byte vector 16 g + h of the row: thread j takes h = j and j + 8
-    a0, b0 = tl.split(tl.permute(tl.reshape(w0, (TB, QG, 2, 8)), (0, 1, 3, 2)))
-    a1, b1 = tl.split(tl.permute(tl.reshape(w1, (TB, QG, 2, 8)), (0, 1, 3, 2)))
+    if WIDE:  # (h = 2 j and 2 j + 1)
+        a0, b0 = tl.split(tl.reshape(w0, (TB, QG, 8, 2)))
+        a1, b1 = tl.split(tl.reshape(w1, (TB, QG, 8, 2)))
+    else:
+        a0, b0 = tl.split(tl.permute(tl.reshape(w0, (TB, QG, 2, 8)), (0, 1, 3, 2)))
+        a1, b1 = tl.split(tl.permute(tl.reshape(w1, (TB, QG, 2, 8)), (0, 1, 3, 2)))
     return (tl.reshape(a0, (TB, QG * 8)), tl.reshape(a1, (TB, QG * 8)),
             tl.reshape(b0, (TB, QG * 8)), tl.reshape(b1, (TB, QG * 8)))
 
@@ -375,6 +389,14 @@ def chunk_halves(g0, QG: tl.constexpr):
     f = tl.arange(0, QG * 8)[None, :]
     first = 32 * (g0 + f // 8) + 2 * (f % 8)
     return first, first + 16
+
+
+@triton.jit
+def chunk_vectors(g0, QG: tl.constexpr):
+    """With `load_chunk`'s WIDE loads: the 16-byte vector, in a row of e4m3 bytes, of each thread's 16 values
+    (``[1, QG * 8]``): vector ``8 (g0 + i) + j`` for element ``8 i + j``."""
+    f = tl.arange(0, QG * 8)[None, :]
+    return 8 * (g0 + f // 8) + f % 8
 
 
 @triton.jit
@@ -417,7 +439,7 @@ def _store_hole_rows(t, pos, v, w0, w1, w2, w3, row_bytes, copied, dest_start, d
 def _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, stage_base, off_x,
                         pid, programs, STAGE: tl.constexpr, X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr,
                         VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
-                        QG: tl.constexpr):
+                        QG: tl.constexpr, WIDE: tl.constexpr = False):
     """The rows of the tokens ``fill_from <= t < fill_to`` that fill holes of a copied prefix (`_prefix_plan`: token
     ``t >= copied[d]`` on a row ``p < copied[d]``), to the peer's receive rows or, with STAGE, to the same rows of this
     rank's staging area (``stage_base``), whose copies then carry them; QUANTIZE: in chunks of QG groups."""
@@ -430,12 +452,16 @@ def _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_s
         if QUANTIZE:
             t64 = t.to(tl.int64)[:, None]
             for g0 in range(0, H // 128, QG):
-                a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < fill_to, g0, H, QG, TB)
+                a0, a1, a2, a3, b0, b1, b2, b3 = load_chunk(x_ptr, t64, t < fill_to, g0, H, QG, TB, WIDE)
                 q0, q1, q2, q3, _ = quantize_chunk(x_ptr, t64, t < fill_to, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
-                                                   QG, TB)
-                lo, _ = chunk_halves(g0, QG)
-                _store_hole_rows(t, pos, lo, q0, q1, q2, q3, row_bytes, copied, dest_start, dest_base, stage_base,
-                                 off_x, STAGE, RP, True)
+                                                   QG, TB, WIDE)
+                if WIDE:
+                    _store_hole_rows(t, pos, chunk_vectors(g0, QG), q0, q1, q2, q3, row_bytes, copied, dest_start,
+                                     dest_base, stage_base, off_x, STAGE, RP, False)
+                else:
+                    lo, _ = chunk_halves(g0, QG)
+                    _store_hole_rows(t, pos, lo, q0, q1, q2, q3, row_bytes, copied, dest_start, dest_base, stage_base,
+                                     off_x, STAGE, RP, True)
         else:
             _store_hole_rows(t, pos, tl.arange(0, VEC)[None, :], w0, w1, w2, w3, row_bytes, copied, dest_start,
                              dest_base, stage_base, off_x, STAGE, RP, False)
@@ -473,11 +499,16 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                    TB: tl.constexpr, QG: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                    TB: tl.constexpr, QG: tl.constexpr, WIDE_E4M3: tl.constexpr, SCALES_AFTER_ROW: tl.constexpr,
+                    scratch_ptr, TRACE: tl.constexpr, trace_ptr, trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128, QG groups of 128 at a
-    time (`quantize_chunk`).
+    time (`quantize_chunk`); WIDE_E4M3: each thread quantizes 16 adjacent values and stores their e4m3 bytes as one
+    16-byte vector (else two 8-byte halves 64 bytes apart). SCALES_AFTER_ROW (QUANTIZE, not STAGE, a multiple of 4
+    groups): each chunk's scales go to this program's two ``[TB, GROUPS]`` fp32 blocks at ``scratch_ptr`` (one per
+    step parity) and a token's scales go to each destination once, after its row, in 16-byte vectors (else each
+    chunk's 4-byte scales go to the destinations).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
     ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens ``fill_from <= t <
@@ -536,7 +567,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
         if (t_begin == 0) & (fill_from < T):  # first, the hole fillers: the first copies carry their rows
             _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
                                 _pick(dest_base, cols, rank) + off_stage, off_x, pid, programs, True, X_BYTES,
-                                QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
+                                QUANTIZE, VEC, GROUPS, KP, RP, TB, QG, WIDE_E4M3)
     for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
@@ -564,13 +595,16 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
-            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB)
+            if SCALES_AFTER_ROW:  # this step's block (by parity: a slower thread may still read the last step's)
+                step = (t0 - t_begin) // (programs * TB)
+                own_s = scratch_ptr + ((pid * 2 + step % 2) * TB + tl.arange(0, TB)[:, None]) * GROUPS
+            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB, WIDE_E4M3)
             for g0 in range(0, n_groups, QG):
                 a0, a1, a2, a3, b0, b1, b2, b3 = n0, n1, n2, n3, n4, n5, n6, n7
                 # the next chunk, in flight while this one is quantized
-                n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB)
+                n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB, WIDE_E4M3)
                 q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
-                                                        QG, TB)
+                                                        QG, TB, WIDE_E4M3)
                 lo, hi = chunk_halves(g0, QG)  # the word offsets of each thread's two 8-byte halves
                 for d in tl.static_range(RP):
                     p = _column(pos, cols, d)
@@ -579,10 +613,27 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     base = _pick(dest_base, cols, d)
                     dst, keep = _x_row(d, p, t, row, base, copied, dest_base, cols, rank, off_x, off_stage,
                                        row_bytes, STAGE)
-                    ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
-                    ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
-                    dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                    store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
+                    if WIDE_E4M3:
+                        v16 = chunk_vectors(g0, QG)
+                        ptx.st_global_na_v4(dst + 4 * v16, q0, q1, q2, q3, ok & keep & (v16 < row_bytes // 16))
+                    else:
+                        ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
+                        ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
+                    if not SCALES_AFTER_ROW:
+                        dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                        store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
+                if SCALES_AFTER_ROW:
+                    store_chunk_scales(own_s, g0, qscale, (t < t_end)[:, None], n_groups, QG, TB)
+            if SCALES_AFTER_ROW:  # the step's scales, written by its threads, read back whole (bar.sync orders them)
+                tl.debug_barrier()
+                sv = tl.arange(0, GROUPS // 4)[None, :]
+                s0, s1, s2, s3 = ptx.ld_global_cg_v4(own_s.to(tl.pointer_type(tl.int32)) + 4 * sv,
+                                                     (t < t_end)[:, None] & (sv < n_groups // 4))
+                for d in tl.static_range(RP):
+                    p = _column(pos, cols, d)
+                    row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
+                    dst_s = (_pick(dest_base, cols, d) + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.int32))
+                    ptx.st_global_na_v4(dst_s + 4 * sv, s0, s1, s2, s3, (p >= 0)[:, None] & (sv < n_groups // 4))
     if SYNC and not STAGE:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
@@ -592,7 +643,7 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     _wait_for_one(flag, copies_target, d, timeout_ns, status_ptr, state_ptr + FAIL_WORD, 6)
             tl.debug_barrier()
             _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base, 0, off_x, pid,
-                                programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG)
+                                programs, False, X_BYTES, QUANTIZE, VEC, GROUPS, KP, RP, TB, QG, WIDE_E4M3)
     if SYNC:
         _signal_all(bases_ptr, sig_off + 1 * 64, rank, R)
         _wait_for_ranks((own + sig_off + 1 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
@@ -954,6 +1005,10 @@ class NvlinkTransport:
         self.quantized_rows_by = "sm"
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
+        self.e4m3_store_bytes = 16  # a dispatch that quantizes stores each thread's e4m3 bytes as one 16-byte vector
+        # (8: two 8-byte halves, the layout of sessions before 26)
+        self.scales_after_row = False  # ... and a token's scales once, after its row, in 16-byte vectors (else per chunk)
+        self._scale_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -1008,6 +1063,16 @@ class NvlinkTransport:
     def _peers(self) -> list:
         """The other ranks, in order."""
         return [peer for peer in range(self.num_ranks) if peer != self.rank]
+
+    def _scales_scratch(self, tokens_per_step: int, hidden: int) -> torch.Tensor:
+        """`dispatch_kernel`'s SCALES_AFTER_ROW blocks: two ``[tokens_per_step, GROUPS]`` fp32 blocks per program."""
+        need = self.num_sms * 2 * tokens_per_step * _pow2(hidden // SCALE_BLOCK)
+        if self._scale_scratch.numel() < need:
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("scales_after_row: a dispatch captured in a CUDA graph needs an earlier dispatch with "
+                                 "the same num_sms and quantize_tokens_per_step (its scratch is allocated there)")
+            self._scale_scratch = torch.empty(need, dtype=torch.float32, device=self.device)
+        return self._scale_scratch
 
     def _status_addr(self) -> int:
         return self.status.data_ptr()
@@ -1232,6 +1297,8 @@ class NvlinkTransport:
         fp8_in = x.dtype == torch.float8_e4m3fn
         x_bytes = 1 if (fp8_in or quantize) else 2
         planned = self.bulk == "copy_engine"  # the layout's rows are planned on the host
+        if self.e4m3_store_bytes not in (8, 16):
+            raise ValueError(f"e4m3_store_bytes must be 8 or 16, got {self.e4m3_store_bytes!r}")
         if self.quantized_rows_by not in BULK_MOVERS:
             raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
         pushed = planned and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
@@ -1265,6 +1332,8 @@ class NvlinkTransport:
         plans = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
+        scales_after_row = quantize and self.scales_after_row and (H // SCALE_BLOCK) % 4 == 0
+        scratch = self._scales_scratch(self.quantize_tokens_per_step, H) if scales_after_row else dummy
 
         def launch(t_begin, t_end, sync, copied=None, fill_from=T, fill_to=T, stage=False, first=True):
             if trace is not None:
@@ -1285,6 +1354,8 @@ class NvlinkTransport:
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
+                WIDE_E4M3=self.e4m3_store_bytes == 16, SCALES_AFTER_ROW=scales_after_row and not stage,
+                scratch_ptr=scratch,
                 TRACE=trace is not None,
                 trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
