@@ -26,11 +26,11 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr",
             "GATE": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "QG": "constexpr",
-            "WIDE_E4M3": "constexpr", "SCALES_AFTER_ROW": "constexpr", "scratch_ptr": "*fp32", "TRACE": "constexpr",
+            "WIDE_E4M3": "constexpr", "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
     consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
               "GATE": False, "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
-              "QG": 8, "WIDE_E4M3": False, "SCALES_AFTER_ROW": False, "TRACE": False}
+              "QG": 8, "WIDE_E4M3": False, "TRACE": False}
     aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
@@ -49,13 +49,6 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
                                    num_warps=16, aligned=aligned)
     assert ptx.INSTRUCTIONS["ld_global_nc_l1_v4"] in wide and ptx.INSTRUCTIONS["st_global_na_v2"] not in wide
     assert wide.count("bar.sync") == text.count("bar.sync")  # (no shared-memory exchange added: only the waits')
-    # SCALES_AFTER_ROW: the chunks' scales to a scratch block, read back whole after one barrier per step, and each
-    # token's scales sent as 16-byte vectors (no 4-byte stores into the peers' rows)
-    after, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512,
-                                                                        TB=16, WIDE_E4M3=True, SCALES_AFTER_ROW=True),
-                                    num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["ld_global_cg_v4"] in after and ptx.INSTRUCTIONS["ld_global_cg_v4"] not in wide
-    assert after.count("bar.sync") == wide.count("bar.sync") + 1
     # bounded waits: for the peers' arrivals, and for this rank's copies to land before it fills their holes
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
     text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
@@ -222,10 +215,9 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             for r in range(world):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
-        # FP8 made in the kernel (cases 3 and 5: pushed and staged with bulk="copy_engine"): case 3 sends each
-        # token's scales after its row, case 5 stores the e4m3 bytes as 8-byte halves (the defaults elsewhere)
+        # FP8 made in the kernel (cases 3 and 5: pushed and staged with bulk="copy_engine"): case 5 stores the e4m3
+        # bytes as 8-byte halves (16-byte vectors, the default, elsewhere)
         transport.e4m3_store_bytes = 8 if case == 5 else 16
-        transport.scales_after_row = case == 3
         if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most), all rows or some
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
             transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]

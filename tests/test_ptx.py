@@ -32,14 +32,6 @@ def _copy_v4_l1(src, dst, n_vec, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _copy_v4_cg(src, dst, n_vec, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_vec
-    w0, w1, w2, w3 = ptx.ld_global_cg_v4(src + 4 * offs, mask)
-    ptx.st_global_na_v4(dst + 4 * offs, w0, w1, w2, w3, mask)
-
-
-@triton.jit
 def _copy_v2(src, dst, n_vec, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_vec
@@ -100,10 +92,6 @@ def compiled():
             _copy_v4_l1, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
         ),
-        "copy_v4_cg": ptx.compile_for_sm90(
-            _copy_v4_cg, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
-            {"BLOCK": 256},
-        ),
         "copy_v2": ptx.compile_for_sm90(
             _copy_v2, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
@@ -127,7 +115,6 @@ KERNEL_OF = {
     "globaltimer": "where_when",
     "ld_global_nc_v4": "copy_v4",
     "ld_global_nc_l1_v4": "copy_v4_l1",
-    "ld_global_cg_v4": "copy_v4_cg",
     "st_global_na_v4": "copy_v4",
     "st_global_na_v2": "copy_v2",
     "st_global_b32": "quantize",

@@ -156,30 +156,6 @@ def ld_global_nc_l1_v4(ptr, mask):
 
 
 @triton.jit
-def ld_global_cg_v4(ptr, mask):
-    """Four int32 words of 16-byte aligned ``ptr`` from L2 (``ld.global.cg.v4.b32``), zeros where ``mask`` is
-    false: for words this kernel wrote (the non-coherent path of `ld_global_nc_v4` may not see them)."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        setp.ne.b32 p, $5, 0;
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        @p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];
-        }
-        """,
-        "=r,=r,=r,=r,l,r",
-        [ptr, tl.cast(mask, tl.int32)],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def ld_global_nc_v4_evict_first(ptr, mask):
     """``ld_global_nc_v4`` whose lines are marked evict-first in L2 (``createpolicy`` +
     ``.L2::cache_hint``), so a streaming copy does not push a compute kernel's tiles out of L2."""
@@ -445,7 +421,6 @@ INSTRUCTIONS = {
     "globaltimer": "%globaltimer",
     "ld_global_nc_v4": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
     "ld_global_nc_l1_v4": "ld.global.nc.L2::256B.v4.b32",
-    "ld_global_cg_v4": "ld.global.cg.v4.b32",
     "st_global_na_v4": "st.global.L1::no_allocate.v4.b32",
     "st_global_na_v2": "st.global.L1::no_allocate.v2.b32",
     "st_global_b32": "@p st.global.b32",

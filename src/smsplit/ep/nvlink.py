@@ -499,16 +499,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                    TB: tl.constexpr, QG: tl.constexpr, WIDE_E4M3: tl.constexpr, SCALES_AFTER_ROW: tl.constexpr,
-                    scratch_ptr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                    TB: tl.constexpr, QG: tl.constexpr, WIDE_E4M3: tl.constexpr, TRACE: tl.constexpr, trace_ptr,
+                    trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128, QG groups of 128 at a
     time (`quantize_chunk`); WIDE_E4M3: each thread quantizes 16 adjacent values and stores their e4m3 bytes as one
-    16-byte vector (else two 8-byte halves 64 bytes apart). SCALES_AFTER_ROW (QUANTIZE, not STAGE, a multiple of 4
-    groups): each chunk's scales go to this program's two ``[TB, GROUPS]`` fp32 blocks at ``scratch_ptr`` (one per
-    step parity) and a token's scales go to each destination once, after its row, in 16-byte vectors (else each
-    chunk's 4-byte scales go to the destinations).
+    16-byte vector (else two 8-byte halves 64 bytes apart).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
     ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens ``fill_from <= t <
@@ -595,9 +592,6 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
-            if SCALES_AFTER_ROW:  # this step's block (by parity: a slower thread may still read the last step's)
-                step = (t0 - t_begin) // (programs * TB)
-                own_s = scratch_ptr + ((pid * 2 + step % 2) * TB + tl.arange(0, TB)[:, None]) * GROUPS
             n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB, WIDE_E4M3)
             for g0 in range(0, n_groups, QG):
                 a0, a1, a2, a3, b0, b1, b2, b3 = n0, n1, n2, n3, n4, n5, n6, n7
@@ -619,21 +613,8 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     else:
                         ptx.st_global_na_v2(dst + lo, q0, q1, ok & keep & (lo < row_bytes // 4))
                         ptx.st_global_na_v2(dst + hi, q2, q3, ok & keep & (hi < row_bytes // 4))
-                    if not SCALES_AFTER_ROW:
-                        dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
-                        store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
-                if SCALES_AFTER_ROW:
-                    store_chunk_scales(own_s, g0, qscale, (t < t_end)[:, None], n_groups, QG, TB)
-            if SCALES_AFTER_ROW:  # the step's scales, written by its threads, read back whole (bar.sync orders them)
-                tl.debug_barrier()
-                sv = tl.arange(0, GROUPS // 4)[None, :]
-                s0, s1, s2, s3 = ptx.ld_global_cg_v4(own_s.to(tl.pointer_type(tl.int32)) + 4 * sv,
-                                                     (t < t_end)[:, None] & (sv < n_groups // 4))
-                for d in tl.static_range(RP):
-                    p = _column(pos, cols, d)
-                    row = _pick(dest_start, cols, d) + p.to(tl.int64)[:, None]
-                    dst_s = (_pick(dest_base, cols, d) + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.int32))
-                    ptx.st_global_na_v4(dst_s + 4 * sv, s0, s1, s2, s3, (p >= 0)[:, None] & (sv < n_groups // 4))
+                    dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
+                    store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
     if SYNC and not STAGE:
         if fill_from < T:  # the holes in the copied rows, once the copies have landed
             copies_target = tl.load(state_ptr + COPIES_WORD, volatile=True) + 1
@@ -1007,8 +988,6 @@ class NvlinkTransport:
         self.quantize_groups_per_step = 8  # quantized at a time
         self.e4m3_store_bytes = 16  # a dispatch that quantizes stores each thread's e4m3 bytes as one 16-byte vector
         # (8: two 8-byte halves, the layout of sessions before 26)
-        self.scales_after_row = False  # ... and a token's scales once, after its row, in 16-byte vectors (else per chunk)
-        self._scale_scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -1063,16 +1042,6 @@ class NvlinkTransport:
     def _peers(self) -> list:
         """The other ranks, in order."""
         return [peer for peer in range(self.num_ranks) if peer != self.rank]
-
-    def _scales_scratch(self, tokens_per_step: int, hidden: int) -> torch.Tensor:
-        """`dispatch_kernel`'s SCALES_AFTER_ROW blocks: two ``[tokens_per_step, GROUPS]`` fp32 blocks per program."""
-        need = self.num_sms * 2 * tokens_per_step * _pow2(hidden // SCALE_BLOCK)
-        if self._scale_scratch.numel() < need:
-            if torch.cuda.is_current_stream_capturing():
-                raise ValueError("scales_after_row: a dispatch captured in a CUDA graph needs an earlier dispatch with "
-                                 "the same num_sms and quantize_tokens_per_step (its scratch is allocated there)")
-            self._scale_scratch = torch.empty(need, dtype=torch.float32, device=self.device)
-        return self._scale_scratch
 
     def _status_addr(self) -> int:
         return self.status.data_ptr()
@@ -1332,8 +1301,6 @@ class NvlinkTransport:
         plans = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
-        scales_after_row = quantize and self.scales_after_row and (H // SCALE_BLOCK) % 4 == 0
-        scratch = self._scales_scratch(self.quantize_tokens_per_step, H) if scales_after_row else dummy
 
         def launch(t_begin, t_end, sync, copied=None, fill_from=T, fill_to=T, stage=False, first=True):
             if trace is not None:
@@ -1354,8 +1321,7 @@ class NvlinkTransport:
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
-                WIDE_E4M3=self.e4m3_store_bytes == 16, SCALES_AFTER_ROW=scales_after_row and not stage,
-                scratch_ptr=scratch,
+                WIDE_E4M3=self.e4m3_store_bytes == 16,
                 TRACE=trace is not None,
                 trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
