@@ -187,19 +187,18 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share, chunks, stage, mover, e4m3, split) for n in args.transports if n.startswith("nvlink")
+    graph_cases = [(n, P, share, chunks, stage, mover, e4m3) for n in args.transports if n.startswith("nvlink")
                    for P in args.comm_sms
                    for e4m3 in args.e4m3_store_bytes
-                   for split in args.quantize_token_split
                    for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
                    for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
                    for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])
                    for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])]
-    for name, P, share, chunks, stage, mover, e4m3, split in graph_cases:
+    for name, P, share, chunks, stage, mover, e4m3 in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
         tr.num_sms = P
-        tr.e4m3_store_bytes, tr.quantize_token_split = e4m3, split
+        tr.e4m3_store_bytes = e4m3
         if share is not None:  # nvlink_copy_engine
             tr.copy_share = share
             tr.combine_chunks = chunks  # None: the transport's default for P SMs
@@ -221,8 +220,7 @@ def worker(rank, world, port, args, queue):
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
                "combine_chunks": tr.combine_chunks if share is not None else None,
                "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps, "e4m3_store_bytes": e4m3,
-               "quantize_token_split": split}
+               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps, "e4m3_store_bytes": e4m3}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -237,7 +235,7 @@ def worker(rank, world, port, args, queue):
             chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
             print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
                   f"{'' if stage is None else f' stage {stage}'}{'' if mover is None else f' FP8 rows by {mover}'}"
-                  f"{' e4m3 in 8-byte halves' if e4m3 == 8 else ''}{' FP8 tokens in blocks' if split == 'blocks' else ''}"
+                  f"{' e4m3 in 8-byte halves' if e4m3 == 8 else ''}"
                   f" in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us (FP8 input {row['dispatch_fp8_input_graph_ms'] * 1e3:.1f}), combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
@@ -413,9 +411,6 @@ def main():
     parser.add_argument("--e4m3-store-bytes", type=int, nargs="+", default=[16], choices=[8, 16],
                         help="NVLink transports replayed from CUDA graphs: an FP8 dispatch that quantizes stores each "
                              "thread's e4m3 bytes as one 16-byte vector (16, the default) or two 8-byte halves (8)")
-    parser.add_argument("--quantize-token-split", nargs="+", default=["rounds"], choices=["rounds", "blocks"],
-                        help="NVLink transports replayed from CUDA graphs: an FP8 dispatch that quantizes gives each "
-                             "program steps in rounds (rounds, the default) or a contiguous block of tokens (blocks)")
     parser.add_argument("--num-warps", type=int, default=16,
                         help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())

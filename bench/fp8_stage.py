@@ -68,7 +68,7 @@ def stage_launch_args(s, tb, quantize, qg=8):
     keyword = dict(
         X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=False, WAIT_COPIES=True, STAGE=True, SYNC=False, GATE=False,
         HAS_TOPK=True, HAS_WEIGHTS=True, VEC=nvlink._pow2(H * x_bytes // 16), GROUPS=nvlink._pow2(H // 128),
-        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=qg, WIDE_E4M3=False, BLOCKS=False, TRACE=False, trace_ptr=s["layout"], trace_tag=0)
+        KP=nvlink._pow2(K), RP=nvlink._pow2(R), TB=tb, QG=qg, WIDE_E4M3=False, TRACE=False, trace_ptr=s["layout"], trace_tag=0)
     return positional, keyword
 
 

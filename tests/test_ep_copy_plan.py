@@ -21,7 +21,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     t.combine_copy_share = copy_share
     t.num_sms, t.quantize_tokens_per_step = 2, 4  # FP8 staging launches end on rounds of 8 tokens
     t.combine_chunks = None
-    t.e4m3_store_bytes, t.quantize_token_split = 16, "rounds"
+    t.e4m3_store_bytes = 16
     t.status = torch.zeros(4, dtype=torch.int32)
     t.device = torch.device("cpu")
     return t

@@ -26,11 +26,11 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
             "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr",
             "GATE": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
             "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "QG": "constexpr",
-            "WIDE_E4M3": "constexpr", "BLOCKS": "constexpr", "TRACE": "constexpr",
+            "WIDE_E4M3": "constexpr", "TRACE": "constexpr",
             "trace_ptr": "*i64", "trace_tag": "i32"}
     consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
               "GATE": False, "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
-              "QG": 8, "WIDE_E4M3": False, "BLOCKS": False, "TRACE": False}
+              "QG": 8, "WIDE_E4M3": False, "TRACE": False}
     aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
@@ -215,10 +215,9 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             for r in range(world):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
-        # FP8 made in the kernel (cases 3 and 5: pushed and staged with bulk="copy_engine"): tokens split among the
-        # programs in blocks; case 5 stores the e4m3 bytes as 8-byte halves (16-byte vectors, the default, elsewhere)
+        # FP8 made in the kernel (cases 3 and 5: pushed and staged with bulk="copy_engine"): case 5 stores the e4m3
+        # bytes as 8-byte halves (16-byte vectors, the default, elsewhere)
         transport.e4m3_store_bytes = 8 if case == 5 else 16
-        transport.quantize_token_split = "blocks" if case in (3, 5) else "rounds"
         if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most), all rows or some
             transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
             transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]

@@ -499,14 +499,13 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
                     WAIT_COPIES: tl.constexpr, STAGE: tl.constexpr, SYNC: tl.constexpr, GATE: tl.constexpr,
                     HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                     VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                    TB: tl.constexpr, QG: tl.constexpr, WIDE_E4M3: tl.constexpr, BLOCKS: tl.constexpr,
-                    TRACE: tl.constexpr, trace_ptr, trace_tag):
+                    TB: tl.constexpr, QG: tl.constexpr, WIDE_E4M3: tl.constexpr, TRACE: tl.constexpr, trace_ptr,
+                    trace_tag):
     """Token t goes to receive row ``send_start[d] + pos[t, d]`` of every destination d with
     pos >= 0. Each program moves TB tokens per step. X_BYTES: bytes per element of the received
     x (2: bf16, 1: fp8). QUANTIZE: x is bf16, quantized here to e4m3 with a scale per 128, QG groups of 128 at a
     time (`quantize_chunk`); WIDE_E4M3: each thread quantizes 16 adjacent values and stores their e4m3 bytes as one
-    16-byte vector (else two 8-byte halves 64 bytes apart). BLOCKS: each program takes a contiguous range of the
-    launch's tokens (else steps ``pid``, ``pid + programs``, ... of TB tokens).
+    16-byte vector (else two 8-byte halves 64 bytes apart).
     Copy engines may move rows ``0 .. copied[d]-1`` of x to rows ``0 .. copied[d]-1`` of this rank's rows on
     peer d (`_prefix_plan`): the kernel does not store rows at positions below ``copied[d]``, but those of tokens
     ``t >= copied[d]`` there (holes) once this rank's copy-done flag has reached d (tokens ``fill_from <= t <
@@ -566,19 +565,10 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             _store_hole_fillers(fill_from, fill_to, x_ptr, pos_ptr, H, R, copied, dest_start, dest_base,
                                 _pick(dest_base, cols, rank) + off_stage, off_x, pid, programs, True, X_BYTES,
                                 QUANTIZE, VEC, GROUPS, KP, RP, TB, QG, WIDE_E4M3)
-    if BLOCKS:  # each program a contiguous range of tokens, in steps of TB (its last step partial)
-        span = (t_end - t_begin + programs - 1) // programs
-        t_from = t_begin + pid * span
-        t_stop = tl.minimum(t_from + span, t_end)
-        t_step = programs * 0 + TB
-    else:  # rounds: program pid takes steps pid, pid + programs, ...
-        t_from = t_begin + pid * TB
-        t_stop = programs * 0 + t_end
-        t_step = programs * TB
-    for t0 in range(t_from, t_stop, t_step):
+    for t0 in range(t_begin + pid * TB, t_end, programs * TB):
         t = t0 + tl.arange(0, TB)
         w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-            t, t < t_stop, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
+            t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
             X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB, not QUANTIZE)
         for d in tl.static_range(RP):  # unrolled: d is a constant, the picks are selects
             p = _column(pos, cols, d)
@@ -602,12 +592,12 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
             tl.store(dst_i, t[:, None], mask=ok)
         if QUANTIZE:  # the rows in chunks of QG groups: quantized, then stored with their scales
             t64 = t.to(tl.int64)[:, None]
-            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_stop, 0, H, QG, TB, WIDE_E4M3)
+            n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, 0, H, QG, TB, WIDE_E4M3)
             for g0 in range(0, n_groups, QG):
                 a0, a1, a2, a3, b0, b1, b2, b3 = n0, n1, n2, n3, n4, n5, n6, n7
                 # the next chunk, in flight while this one is quantized
-                n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_stop, g0 + QG, H, QG, TB, WIDE_E4M3)
-                q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_stop, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
+                n0, n1, n2, n3, n4, n5, n6, n7 = load_chunk(x_ptr, t64, t < t_end, g0 + QG, H, QG, TB, WIDE_E4M3)
+                q0, q1, q2, q3, qscale = quantize_chunk(x_ptr, t64, t < t_end, g0, H, a0, a1, a2, a3, b0, b1, b2, b3,
                                                         QG, TB, WIDE_E4M3)
                 lo, hi = chunk_halves(g0, QG)  # the word offsets of each thread's two 8-byte halves
                 for d in tl.static_range(RP):
@@ -996,7 +986,6 @@ class NvlinkTransport:
         self.quantized_rows_by = "sm"
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
-        self.quantize_token_split = "rounds"  # ... and splits its tokens among programs in rounds or blocks
         self.e4m3_store_bytes = 16  # a dispatch that quantizes stores each thread's e4m3 bytes as one 16-byte vector
         # (8: two 8-byte halves, the layout of sessions before 26)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
@@ -1279,8 +1268,6 @@ class NvlinkTransport:
         planned = self.bulk == "copy_engine"  # the layout's rows are planned on the host
         if self.e4m3_store_bytes not in (8, 16):
             raise ValueError(f"e4m3_store_bytes must be 8 or 16, got {self.e4m3_store_bytes!r}")
-        if self.quantize_token_split not in ("rounds", "blocks"):
-            raise ValueError(f"quantize_token_split must be 'rounds' or 'blocks', got {self.quantize_token_split!r}")
         if self.quantized_rows_by not in BULK_MOVERS:
             raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
         pushed = planned and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
@@ -1334,7 +1321,7 @@ class NvlinkTransport:
                 HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK),
                 KP=_pow2(max(K, 1)), RP=_pow2(R),
                 TB=self.quantize_tokens_per_step if quantize else self.tokens_per_step, QG=self.quantize_groups_per_step,
-                WIDE_E4M3=self.e4m3_store_bytes == 16, BLOCKS=quantize and self.quantize_token_split == "blocks",
+                WIDE_E4M3=self.e4m3_store_bytes == 16,
                 TRACE=trace is not None,
                 trace_ptr=trace_view, trace_tag=tag, num_warps=self.num_warps,
             )
