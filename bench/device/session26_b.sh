@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Session 26: run on dcbe10d with the patch applied; merged into main afterwards with 16 as the default, so the patch no longer applies to main.)
 # Next session (2 H200), main with bench/device/session26_b.patch applied first (session 25's wip/fp8-wide-stores,
 # made on the CPU and never run on a GPU; the branch does not outlive the session, the patch does): an FP8 dispatch that
 # quantizes with each thread's 16 adjacent values loaded through L1 and stored as one 16-byte e4m3 vector
