@@ -14,7 +14,7 @@ for order in "0 1 2" "2 1 0"; do
   tag=${order// /_}
   timeout -s KILL 120 python3 bench/ep.py --transports nvlink_copy_engine --comm-sms 20 22 --reps 50 \
     --copy-shares 1.0 --concurrent-sms --skip-rows $order > "$OUT/ep_skip_rows_${tag}_session26.log" 2>&1
-  echo "ep $order rc $?"; grep -o "rows skipped\|P=[ 0-9]*: dispatch bf16\|queued: dispatch_bf16 [0-9.]*, dispatch_fp8 [0-9.]*\|together: dispatch_bf16 [0-9.]*, dispatch_fp8 [0-9.]*" \
+  echo "ep $order rc $?"; grep -o "own rows skipped\|peer rows skipped\|P=[ 0-9]*: dispatch bf16\|queued: dispatch_bf16 [0-9.]*, dispatch_fp8 [0-9.]*\|together: dispatch_bf16 [0-9.]*, dispatch_fp8 [0-9.]*" \
     "$OUT/ep_skip_rows_${tag}_session26.log" | tr '\n' ' ' | sed 's/ P=/\nP=/g'; echo
   reap
 done
