@@ -41,29 +41,33 @@ def globaltimer():
 # --- 16-byte streaming accesses ------------------------------------------------------------------
 
 
+def _masked_v4_load(instruction: str, prelude: tuple = ()) -> tl.constexpr:
+    """Inline PTX for a 16-byte load ``instruction`` (into ``$0..$3`` from address ``$4``) that runs where the int32
+    ``$5`` is non-zero and returns zeros elsewhere (``prelude``: lines after the predicate's declaration)."""
+    lines = (".reg .pred p;", *prelude[:1], "setp.ne.b32 p, $5, 0;", *prelude[1:], "mov.b32 $0, 0;", "mov.b32 $1, 0;",
+             "mov.b32 $2, 0;", "mov.b32 $3, 0;", f"@p {instruction}")
+    return tl.constexpr("\n        {\n" + "".join(f"        {line}\n" for line in lines) + "        }\n        ")
+
+
+_LD_NC_V4 = _masked_v4_load("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
+_LD_NC_L1_V4 = _masked_v4_load("ld.global.nc.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
+_LD_NC_V4_EVICT_FIRST = _masked_v4_load(
+    "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4], policy;",
+    prelude=(".reg .b64 policy;", "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"))
+
+
+@triton.jit
+def _ld_v4(asm: tl.constexpr, ptr, mask):
+    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,l,r", [ptr, tl.cast(mask, tl.int32)],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+
+
 @triton.jit
 def ld_global_nc_v4(ptr, mask):
     """16-byte read-only load that bypasses L1 and prefetches 256 B into L2
     (``ld.global.nc.L1::no_allocate.L2::256B.v4.b32``). ``ptr`` points at int32 words, 16-byte
     aligned. Returns four int32 blocks (the words at ptr, ptr+1, ptr+2, ptr+3)."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        setp.ne.b32 p, $5, 0;
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        @p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];
-        }
-        """,
-        "=r,=r,=r,=r,l,r",
-        [ptr, tl.cast(mask, tl.int32)],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=False,
-        pack=1,
-    )
+    return _ld_v4(_LD_NC_V4, ptr, mask)
 
 
 @triton.jit
@@ -135,50 +139,14 @@ def ld_global_nc_l1_v4(ptr, mask):
     """`ld_global_nc_v4` that keeps the lines in L1 (``ld.global.nc.L2::256B.v4.b32``): for two loads of a thread
     that each use half of the 32-byte sectors the other touches (adjacent 16-byte vectors per thread), the second
     is then served from L1."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        setp.ne.b32 p, $5, 0;
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        @p ld.global.nc.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];
-        }
-        """,
-        "=r,=r,=r,=r,l,r",
-        [ptr, tl.cast(mask, tl.int32)],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=False,
-        pack=1,
-    )
+    return _ld_v4(_LD_NC_L1_V4, ptr, mask)
 
 
 @triton.jit
 def ld_global_nc_v4_evict_first(ptr, mask):
     """``ld_global_nc_v4`` whose lines are marked evict-first in L2 (``createpolicy`` +
     ``.L2::cache_hint``), so a streaming copy does not push a compute kernel's tiles out of L2."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        .reg .b64 policy;
-        setp.ne.b32 p, $5, 0;
-        createpolicy.fractional.L2::evict_first.b64 policy, 1.0;
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        @p ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4], policy;
-        }
-        """,
-        "=r,=r,=r,=r,l,r",
-        [ptr, tl.cast(mask, tl.int32)],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=False,
-        pack=1,
-    )
+    return _ld_v4(_LD_NC_V4_EVICT_FIRST, ptr, mask)
 
 
 @triton.jit
