@@ -43,7 +43,8 @@ def globaltimer():
 
 def _masked_v4_load(instruction: str, prelude: tuple = ()) -> tl.constexpr:
     """Inline PTX for a 16-byte load ``instruction`` (into ``$0..$3`` from address ``$4``) that runs where the int32
-    ``$5`` is non-zero and returns zeros elsewhere (``prelude``: lines after the predicate's declaration)."""
+    ``$5`` is non-zero and returns zeros elsewhere (``prelude``: a register declaration, then set-up lines, placed
+    after the predicate's declaration and after its setting)."""
     lines = (".reg .pred p;", *prelude[:1], "setp.ne.b32 p, $5, 0;", *prelude[1:], "mov.b32 $0, 0;", "mov.b32 $1, 0;",
              "mov.b32 $2, 0;", "mov.b32 $3, 0;", f"@p {instruction}")
     return tl.constexpr("\n        {\n" + "".join(f"        {line}\n" for line in lines) + "        }\n        ")
