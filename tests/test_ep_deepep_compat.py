@@ -1,13 +1,16 @@
 """Code written for DeepEP's `deep_ep.Buffer` (intranode, normal kernels) runs on `smsplit.ep.Buffer` after an
 import change: its constructor keywords, positional calls in DeepEP's argument order (with `config`), the static
-`Buffer.capture()`, tuple-style handles and `destroy()`. Checked on 2 gloo ranks against the sums a dispatch and a
-combine must give."""
+`Buffer.capture()`, tuple-style handles, `destroy()`, and the SM count through `Buffer.set_num_sms`, `Config` and
+`get_dispatch_config` / `get_combine_config`. Checked on 2 gloo ranks against the sums a dispatch and a combine must
+give."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from smsplit.ep import Buffer, EPError, EventOverlap
+from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
 from smsplit.ep.testing import gloo_pool
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 8, 256, 3, 6
@@ -114,3 +117,79 @@ def test_deepep_only_paths_are_refused_with_a_reason():
         Buffer(None, low_latency_mode=True)
     with pytest.raises(TypeError):
         Buffer(None, 0, 20, None, "auto", 60.0, 0)  # DeepEP's keywords are keyword-only here
+
+
+def round_trip_with(buffer, rank, config):
+    """A dispatch and a combine with `config=config`: the combine gives each token times the ranks it went to."""
+    g = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOPK]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, config=config)
+    combined, _, _ = buffer.combine(recv_x, handle, config=config)
+    copies = in_rank.sum(dim=1, keepdim=True)
+    assert torch.equal(combined, (x.float() * copies).to(torch.bfloat16))
+
+
+def set_num_sms_and_configs(rank, world_size):
+    """DeepEP's static SM API: `Buffer.set_num_sms` changes the SM count of buffers made without one (their later
+    calls too), `get_dispatch_config` / `get_combine_config` make `Config`s with it, and a call's `config.num_sms`
+    must agree between ranks."""
+    before = Buffer.num_sms
+    try:
+        default = Buffer(dist.group.WORLD, 0, timeout_s=30)
+        fixed = Buffer(dist.group.WORLD, 0, 16, timeout_s=30)
+        budgeted = Buffer(dist.group.WORLD, 0, budget=SimpleNamespace(comm_sms=8), timeout_s=30)
+        assert (Buffer.num_sms, default.num_sms, fixed.num_sms, budgeted.num_sms) == (20, 20, 16, 8)
+        Buffer.set_num_sms(24)
+        assert (Buffer.num_sms, default.num_sms, fixed.num_sms, budgeted.num_sms) == (24, 24, 16, 8)
+        dispatch_config, combine_config = Buffer.get_dispatch_config(world_size), Buffer.get_combine_config(world_size)
+        assert isinstance(dispatch_config, Config) and (dispatch_config.num_sms, combine_config.num_sms) == (24, 24)
+        # DeepEP's size hints from a config: 0 (no ring buffers; 0 bytes runs the reference backend)
+        assert dispatch_config.get_nvl_buffer_size_hint(HIDDEN * 2, world_size) == 0
+        assert dispatch_config.get_rdma_buffer_size_hint(HIDDEN * 2, world_size) == 0
+        nvl_bytes = max(dispatch_config.get_nvl_buffer_size_hint(HIDDEN * 2, world_size), 0)
+        round_trip_with(Buffer(dist.group.WORLD, nvl_bytes, timeout_s=30), rank, dispatch_config)
+        round_trip_with(default, rank, Config(8, 6, 256, 6, 128))  # DeepEP's positional Config
+        round_trip_with(default, rank, object())  # a config without num_sms: the buffer's count
+        # invalid counts, refused where they are made
+        for bad in (0, -2, "24", True, 2.0):
+            with pytest.raises(EPArgumentError, match="num_sms: expected an int >= 1"):
+                Buffer.set_num_sms(bad)
+            with pytest.raises(EPArgumentError, match="num_sms: expected an int >= 1"):
+                Config(bad)
+        assert Buffer.num_sms == 24
+        errors = []
+        # a count over the budget's comm SMs, on one rank: refused on every rank before anything moves
+        config = Config(16) if rank == world_size - 1 else None
+        try:
+            round_trip_with(budgeted, rank, config)
+        except EPArgumentError as error:
+            errors.append((error.argument, str(error)))
+        # ranks that give different counts
+        try:
+            round_trip_with(default, rank, Config(20 + 2 * rank))
+        except EPArgumentError as error:
+            errors.append((error.argument, str(error)))
+        # not an int
+        try:
+            round_trip_with(default, rank, SimpleNamespace(num_sms="many") if rank == 0 else None)
+        except EPArgumentError as error:
+            errors.append((error.argument, str(error)))
+        round_trip_with(default, rank, None)  # the buffers stay usable
+        round_trip_with(budgeted, rank, Config(4))
+        return errors
+    finally:
+        Buffer.num_sms = before
+
+
+def test_set_num_sms_and_configs_as_deepep():
+    results = gloo_pool(2).run(set_num_sms_and_configs)
+    for rank, errors in enumerate(results):
+        assert [argument for argument, _ in errors] == ["config"] * 3, errors
+        over_budget, differ, not_int = (message for _, message in errors)
+        assert ("exceeds the budget's 8 comm SMs" in over_budget) == (rank == 1), over_budget
+        assert ("rejected on rank 1" in over_budget) == (rank == 0), over_budget
+        assert "the SM count (config.num_sms, or Buffer.set_num_sms) differs between ranks: [20, 22]" in differ
+        assert ("must be an int >= 1, got 'many'" in not_int) == (rank == 0), not_int

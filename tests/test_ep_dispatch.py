@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from smsplit import fp8 as fp8_lib
 from smsplit.ep import Buffer
+from smsplit.ep.buffer import HEADER_WORDS
 from smsplit.ep.testing import gloo_pool, process_pool
 
 
@@ -247,9 +248,10 @@ def test_dispatch_combine_against_oracle(case):
 def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
     hints = gloo_pool(world_size).run(case_reuse_and_cached, 77 + world_size, 10)
     # 12 tokens x (4096 fp32 values + 9 x 12 bytes of top-k + 4 bytes of source index, padded to 16) per source
-    # rank, plus a (11 + world_size)-word header per rank.
+    # rank, plus a (13 + world_size)-word header per rank (its 13 fixed words: smsplit.ep.buffer.HEADER_WORDS).
     row = -(-(4096 * 4 + 9 * 12 + 4) // 16) * 16
-    assert hints == [world_size * (12 * row + -(-(11 + world_size) * 8 // 16) * 16)] * world_size
+    assert HEADER_WORDS == 13
+    assert hints == [world_size * (12 * row + -(-(13 + world_size) * 8 // 16) * 16)] * world_size
 
 
 def test_buffer_on_a_subgroup():

@@ -596,6 +596,57 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
     dist.destroy_process_group()
 
 
+def _buffer_sms_worker(rank, world, port, backend):
+    """A Buffer made without num_sms follows `Buffer.set_num_sms` and each call's `config.num_sms`: its kernels run
+    that many programs (the transport's count after each call) and every result equals the reference backend's."""
+    from smsplit.ep import Buffer, Config
+
+    dev = _init_nccl(rank, world, port)
+    group = dist.group.WORLD
+    T, E, K, H = 256, 16, 6, 2048
+    fast = Buffer(group, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, world, K, backend=backend),
+                  backend=backend, timeout_s=30)
+    ref = Buffer(group, backend="reference", timeout_s=30)
+    for step, (set_to, config, expected) in enumerate([(None, None, 20), (None, Config(12), 12), (16, None, 16),
+                                                        (None, Config(8, 6, 256, 6, 128), 8), (24, None, 24)]):
+        if set_to is not None:
+            Buffer.set_num_sms(set_to)
+        g = torch.Generator(device="cpu").manual_seed(300 + 10 * step + rank)
+        n = T - 13 * rank - 7 * step
+        x = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
+        topk = torch.randint(0, E, (n, K), generator=g)
+        topk[torch.rand(n, K, generator=g) < 0.2] = -1
+        topk = topk.to(dev)
+        w = torch.rand(n, K, generator=g).to(dev)
+        outs = {}
+        for name, buf in ((backend, fast), ("reference", ref)):
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+            common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk, topk_weights=w, config=config)
+            bf16 = buf.dispatch(x, **common)
+            q = buf.dispatch(x, **common, fp8=True)
+            combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2], config=config)
+            if name != "reference":
+                for handle in (bf16[4], q[4]):
+                    assert handle.nvlink_transport.num_sms == expected, (step, handle.nvlink_transport.num_sms)
+            rows = [bf16[0], q[0][0].view(torch.uint8), q[0][1]]
+            if name == "nvlink_copy_engine":
+                rows = [in_reference_order(rows[0], bf16[4], rank)] + [in_reference_order(t, q[4], rank)
+                                                                      for t in rows[1:]]
+            outs[name] = (*rows, combined, combined_w)
+        for i, (a, b) in enumerate(zip(outs[backend], outs["reference"])):
+            assert torch.equal(a, b), f"step {step}: output {i} differs"
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])
+def test_buffer_sm_count_follows_set_num_sms_and_config(backend):
+    mp.spawn(_buffer_sms_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 # 7168: DeepSeek-V3's width; 2176: 17 groups of 128, a partial last chunk in the FP8 quantization

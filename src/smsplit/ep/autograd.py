@@ -54,10 +54,10 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer, handle, previous_event, x, topk_weights, bias_0, bias_1):
+    def forward(ctx, buffer, handle, previous_event, config, x, topk_weights, bias_0, bias_1):
         bias = tuple(b for b in (bias_0, bias_1) if b is not None) or None
         combined_x, combined_topk_weights, event = buffer._combine(x, handle, topk_weights, bias, previous_event,
-                                                                   False)
+                                                                   False, config=config)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.x_dtype, ctx.hidden = x.dtype, x.size(1)
         ctx.num_topk = topk_weights.size(1) if topk_weights is not None else 0
@@ -67,7 +67,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_combined_x, grad_combined_topk_weights):
         buffer, handle = ctx.buffer, ctx.handle
-        need_x, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        need_x, need_w = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         if grad_combined_x is None:
             grad_combined_x = torch.zeros(handle.num_tokens, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
         grad_x_in = grad_combined_x.to(ctx.x_dtype).contiguous() if need_x else None
@@ -83,9 +83,9 @@ class _Combine(torch.autograd.Function):
                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=grad_w_in,
                 expert_alignment=1, num_worst_tokens=0, previous_event=None, async_finish=False, fp8=False,
                 dequantize=False, internal=True)
-        grad_bias_0 = grad_combined_x if ctx.needs_input_grad[5] else None
-        grad_bias_1 = grad_combined_x if ctx.needs_input_grad[6] else None
-        return None, None, None, grad_x, grad_w, grad_bias_0, grad_bias_1
+        grad_bias_0 = grad_combined_x if ctx.needs_input_grad[6] else None
+        grad_bias_1 = grad_combined_x if ctx.needs_input_grad[7] else None
+        return None, None, None, None, grad_x, grad_w, grad_bias_0, grad_bias_1
 
 
 def dispatch_with_grad(buffer, x, topk_weights, fields: dict):
@@ -97,15 +97,15 @@ def dispatch_with_grad(buffer, x, topk_weights, fields: dict):
     return recv_x, recv_topk_idx, out_w, counts, handle, event
 
 
-def combine_with_grad(buffer, x, handle, topk_weights, bias, previous_event, async_finish):
+def combine_with_grad(buffer, x, handle, topk_weights, bias, previous_event, async_finish, config=None):
     """`Buffer.combine` recorded by autograd (called by `Buffer.combine` when an input needs grad)."""
     from .buffer import _bias_tuple
 
     biases = _bias_tuple(bias)
     if len(biases) > 2:  # Buffer._combine rejects it with the argument's name
-        return buffer._combine(x, handle, topk_weights, bias, previous_event, async_finish)
+        return buffer._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
     bias_0, bias_1 = (tuple(biases) + (None, None))[:2]
-    combined_x, combined_topk_weights = _Combine.apply(buffer, handle, previous_event, x, topk_weights,
+    combined_x, combined_topk_weights = _Combine.apply(buffer, handle, previous_event, config, x, topk_weights,
                                                        bias_0, bias_1)
     event = buffer._finish_event(async_finish)
     return combined_x, combined_topk_weights, event

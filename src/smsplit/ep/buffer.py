@@ -23,8 +23,8 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OP_INIT, OP_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_INIT: "init", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 (H_OP, H_ROUND, H_STATUS, H_NUM_TOKENS, H_NUM_EXPERTS, H_HIDDEN, H_DTYPE, H_NUM_TOPK, H_FLAGS,
- H_NUM_WORST, H_NVL_BYTES, H_HANDLE) = range(12)
-HEADER_WORDS = 12  # followed by num_ranks words: the sender's num_tokens_per_rank
+ H_NUM_WORST, H_NVL_BYTES, H_HANDLE, H_NUM_SMS) = range(13)
+HEADER_WORDS = 13  # followed by num_ranks words: the sender's num_tokens_per_rank
 FLAG_SCALES, FLAG_TOPK_IDX, FLAG_TOPK_WEIGHTS, FLAG_CACHED, FLAG_BIAS = 1, 2, 4, 8, 16
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 
@@ -32,7 +32,7 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
              "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
              "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms",
-             "num_rdma_bytes", "low_latency_mode")
+             "num_rdma_bytes", "low_latency_mode", "config")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
@@ -98,6 +98,44 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+class Config:
+    """
+    DeepEP's `Config` (`deep_ep.Config`): what one dispatch or combine runs with. Only `num_sms` is read here (pass
+    the config as `Buffer.dispatch(..., config=...)` / `Buffer.combine(..., config=...)`); the chunk sizes tune
+    DeepEP's ring buffers, which these transports do not have, and are kept only for code that reads them back.
+
+    Arguments:
+        num_sms: the SMs (persistent programs) of the call's communication kernels, an int >= 1 (DeepEP's must be
+            even; any count works here).
+        num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
+        num_max_rdma_chunked_recv_tokens: accepted and kept (DeepEP's chunking of its NVLink and RDMA buffers).
+    """
+
+    def __init__(self, num_sms: int, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        _check_int("num_sms", num_sms, 1)
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0. DeepEP sizes a ring buffer from the chunk sizes; the device backends here hold a whole dispatch, so
+        their size follows the token count: `Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks,
+        num_topk, backend=...)`. With 0 bytes a `Buffer` runs the reference backend, and a device backend refuses
+        the size with that advice."""
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: intranode only (no RDMA buffer)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"Config(num_sms={self.num_sms})"
+
+
 class Buffer:
     """
     Expert-parallel (EP) communication for Mixture-of-Experts layers: dispatch tokens to the ranks that hold their
@@ -129,7 +167,10 @@ class Buffer:
         num_nvl_bytes: the size of the receive buffer each rank holds; 0 lets the reference backend allocate on
             demand (the GPU transports need it set: see `get_buffer_size_hint`).
         num_rdma_bytes: 0 (DeepEP's attribute; intranode only).
-        num_sms: the SMs the communication kernels may use (the granted comm SMs of `budget` when one is given).
+        num_sms: the SMs a call's communication kernels use when its `config` names none: the granted comm SMs of
+            `budget` when one is given, the constructor's `num_sms` when given, else the class attribute
+            `Buffer.num_sms` (DeepEP's default, 20; `Buffer.set_num_sms` changes it for every such buffer's
+            later calls).
         budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
         backend: the transport in use ("reference", "nvlink", "nvlink_copy_engine" or "copy_engine").
         device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
@@ -137,7 +178,10 @@ class Buffer:
         transport: the `Transport` that moves the bytes.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_sms: int = 20,
+    num_sms: int = 20  # DeepEP's class default: the SM count of buffers made without one (`set_num_sms`)
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0,
+                 num_sms: Optional[int] = None,
                  budget=None, backend: str = "auto", timeout_s: float = 60.0, *, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
@@ -150,7 +194,9 @@ class Buffer:
                 on CUDA tensors of the current device.
             num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
-            num_sms: the SMs the communication kernels may use; ignored when `budget` is given.
+            num_sms: the SMs the communication kernels use (a call's `config` may name fewer); None: the class
+                attribute `Buffer.num_sms` at each call (20 unless `Buffer.set_num_sms` changed it, as DeepEP's
+                buffers follow it). Ignored when `budget` is given.
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
                 buffer inside `torch.cuda.stream(budget.comm_stream)` to run them on the comm SMs.
             backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
@@ -187,7 +233,8 @@ class Buffer:
             if backend not in BACKENDS:
                 raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
             _check_int("num_nvl_bytes", num_nvl_bytes, 0)
-            _check_int("num_sms", num_sms, 1)
+            if num_sms is not None:
+                _check_int("num_sms", num_sms, 1)
         except EPArgumentError as e:
             if group is None:  # no process group to tell the others through
                 raise
@@ -199,7 +246,11 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = 0  # (DeepEP's attribute: intranode only)
         self.budget = budget
-        self.num_sms = int(getattr(budget, "comm_sms", num_sms)) if budget is not None else num_sms
+        if budget is not None:
+            self.num_sms = int(getattr(budget, "comm_sms", num_sms if num_sms is not None else Buffer.num_sms))
+        elif num_sms is not None:
+            self.num_sms = num_sms
+        # (else no instance attribute: self.num_sms reads the class attribute, which `set_num_sms` changes)
         self.timeout_s = float(timeout_s)
         self.backend = backend if backend in DEVICE_BACKENDS else "reference"
         if str(dist.get_backend(group)).lower() == "nccl":
@@ -233,6 +284,49 @@ class Buffer:
             if len(set(values)) != 1:
                 shown = [BACKENDS[v] for v in values] if word == H_FLAGS else values
                 raise _reject(argument, f"{what} must be the same on every rank, got {shown}")
+
+    # -- the SM count (DeepEP's static API) -------------------------------------------------------------
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """
+        Set `Buffer.num_sms`, the SM count of every later call of buffers made without `num_sms` or `budget` (and
+        of the configs `get_dispatch_config` / `get_combine_config` make), as DeepEP's `Buffer.set_num_sms`. Every
+        rank must set the same count: a call whose ranks differ raises `EPArgumentError` naming `config` on every
+        rank before any token moves. Any int >= 1 (DeepEP's must be even).
+        """
+        _check_int("num_sms", new_num_sms, 1)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A `Config` with `Buffer.num_sms` for a dispatch over `num_ranks` ranks (DeepEP's static method; its
+        tuned chunk sizes do not apply here)."""
+        _check_int("num_ranks", num_ranks, 1)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A `Config` with `Buffer.num_sms` for a combine over `num_ranks` ranks (DeepEP's static method)."""
+        _check_int("num_ranks", num_ranks, 1)
+        return Config(Buffer.num_sms)
+
+    def _call_sms(self, config) -> int:
+        """The SM count of one call: ``config.num_sms`` when `config` has one (at most the budget's comm SMs, and
+        the device's SMs for the device backends, whose persistent programs must all be resident), else
+        `num_sms`."""
+        sms = getattr(config, "num_sms", None)
+        if sms is None:
+            return self.num_sms
+        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+            raise _reject("config", f"config.num_sms must be an int >= 1, got {sms!r}")
+        if self.budget is not None and sms > self.num_sms:
+            raise _reject("config", f"config.num_sms={sms} exceeds the budget's {self.num_sms} comm SMs")
+        if self.backend in DEVICE_BACKENDS:
+            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if sms > device_sms:
+                raise _reject("config", f"config.num_sms={sms} exceeds the {device_sms} SMs of {self.device}")
+        return sms
 
     # -- sizes ---------------------------------------------------------------------------------------------
 
@@ -365,8 +459,9 @@ class Buffer:
                 empty list; the nvlink backend then needs no host synchronization and can be captured in a CUDA
                 graph, and so can the nvlink_copy_engine backend in the cached mode (`handle` of an eager dispatch,
                 which planned the copies on the host). Must be at least the number of tokens this rank receives.
-            config: accepted for DeepEP compatibility (its `Config`) and ignored: the transports tune themselves
-                (`num_sms`, `budget`).
+            config: DeepEP's `Config` (or `smsplit.ep.Config`, or anything with an int `num_sms`): the SMs of this
+                call's kernels, at most the budget's comm SMs; None, or an object without `num_sms`: `num_sms`.
+                Every rank must give the same count. The other fields tune DeepEP's ring buffers and are ignored.
             previous_event: the event the current stream waits for before the call reads its inputs (the argument
                 checks read the layout on the host after it).
             async_finish: return an event instead of making the current stream wait (the reference backend always
@@ -399,7 +494,8 @@ class Buffer:
                       num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                       num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                      previous_event=previous_event, async_finish=async_finish, fp8=fp8, dequantize=dequantize)
+                      previous_event=previous_event, async_finish=async_finish, fp8=fp8, dequantize=dequantize,
+                      config=config)
         float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
         grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
         grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
@@ -410,17 +506,21 @@ class Buffer:
 
     def _dispatch(self, x: Tensorish, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event,
-                  async_finish, fp8, dequantize, internal: bool = False):
+                  async_finish, fp8, dequantize, internal: bool = False, config=None):
         """`dispatch` without autograd. `internal` allows the cached mode to carry `topk_weights` (for backward)
         and `x=None`."""
         if self._capturing():
             return self._dispatch_captured(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                           num_worst_tokens, previous_event, async_finish, fp8, dequantize, internal)
+                                           num_worst_tokens, previous_event, async_finish, fp8, dequantize, internal,
+                                           config)
         self._wait_previous(previous_event)  # before the checks read the layout's values on the host
         header = self._header(OP_DISPATCH)
         error = None
+        sms = 0
         try:
+            sms = self._call_sms(config)
+            header[:, H_NUM_SMS] = sms
             spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                         num_worst_tokens, previous_event, fp8, dequantize, internal)
@@ -462,7 +562,7 @@ class Buffer:
 
         if use_nvlink:
             recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
-                handle, cached, values, scales, fp8 and scales is None, topk_idx, topk_weights, num_local_experts)
+                handle, cached, values, scales, fp8 and scales is None, topk_idx, topk_weights, num_local_experts, sms)
         else:
             payload = [t for t in (values, scales, topk_idx, topk_weights) if t is not None]
             if not cached:
@@ -508,7 +608,7 @@ class Buffer:
 
     def _dispatch_captured(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                           previous_event, async_finish, fp8, dequantize, internal):
+                           previous_event, async_finish, fp8, dequantize, internal, config):
         """`_dispatch` while the current stream is captured into a CUDA graph: no host synchronization and no
         host exchange, so the nvlink backend only, with `num_worst_tokens` (or a handle of such a dispatch), after
         an eager dispatch of the same hidden size (it allocates the symmetric buffer). Shapes, dtypes and the
@@ -523,6 +623,7 @@ class Buffer:
         spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                     previous_event, fp8, dequantize, internal, check_values=False)
+        sms = self._call_sms(config)
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
         if worst <= 0:
             raise _reject("num_worst_tokens", "a dispatch captured in a CUDA graph needs num_worst_tokens > 0 (a "
@@ -545,7 +646,7 @@ class Buffer:
                 num_recv_tokens=-1, num_worst_tokens=worst, num_local_experts=spec["num_experts"] // self.group_size,
                 round=self._round)
         recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
-            handle, cached, values, scales, quantize, topk_idx, topk_weights, handle.num_local_experts)
+            handle, cached, values, scales, quantize, topk_idx, topk_weights, handle.num_local_experts, sms)
         if not cached:
             handle.rank_prefix_matrix = handle.nvlink_transport.rank_prefix_matrix()
         recv_x, recv_topk_weights = self._received(spec, recv_values, recv_scales, recv_topk_idx, recv_topk_weights,
@@ -582,7 +683,7 @@ class Buffer:
             handle: the handle returned by the dispatch being reversed.
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
-            config: accepted for DeepEP compatibility (its `Config`) and ignored.
+            config: as for `dispatch`: the SMs of this call's kernels (`config.num_sms`), else `num_sms`.
             previous_event: the event the current stream waits for before the call reads its inputs.
             async_finish: return an event instead of making the current stream wait (the reference backend always
                 finishes before returning).
@@ -600,23 +701,28 @@ class Buffer:
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
         if torch.is_grad_enabled() and needs_grad:
             from .autograd import combine_with_grad
-            return combine_with_grad(self, x, handle, topk_weights, bias, previous_event, async_finish)
-        return self._combine(x, handle, topk_weights, bias, previous_event, async_finish)
+            return combine_with_grad(self, x, handle, topk_weights, bias, previous_event, async_finish, config)
+        return self._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
 
-    def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False):
+    def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False,
+                 config=None):
         """`combine` without autograd; `internal` allows `x=None` (backward of weights only)."""
         if self._capturing():  # no host exchange: the nvlink kernels only (see _dispatch_captured)
             biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+            sms = self._call_sms(config)
             if not self._nvlink_combines(x, handle):
                 raise _reject("x", "a captured combine takes bf16 rows of a dispatch made by the nvlink kernels")
             self._wait_previous(previous_event)
-            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
+            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases, sms)
             return combined_x, summed_weights, self._finish_event(async_finish)
         self._wait_previous(previous_event)
         header = self._header(OP_COMBINE)
         error = None
+        sms = 0
         try:
             biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+            sms = self._call_sms(config)
+            header[:, H_NUM_SMS] = sms
             header[:, H_HANDLE] = handle.round
             if x is not None:
                 header[:, H_HIDDEN] = x.size(1)
@@ -629,7 +735,7 @@ class Buffer:
         self._exchange(OP_COMBINE, "status", header, error)
 
         if self._nvlink_combines(x, handle):
-            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases)
+            combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases, sms)
             return combined_x, summed_weights, self._finish_event(async_finish)
         rows = handle.num_recv_rows
         summed_x, summed_weights = self.transport.combine(
@@ -648,8 +754,9 @@ class Buffer:
         nvlink = getattr(handle, "nvlink_transport", None)
         return nvlink is not None and x is not None and x.dtype == torch.bfloat16 and x.size(1) == nvlink.hidden
 
-    def _combine_nvlink(self, x, handle, topk_weights, biases):
+    def _combine_nvlink(self, x, handle, topk_weights, biases, sms: int):
         rows = handle.num_recv_rows
+        handle.nvlink_transport.num_sms = sms
         out, summed_weights = handle.nvlink_transport.combine(
             _dense(x[:rows]), _dense(topk_weights[:rows]) if topk_weights is not None else None,
             handle.nvlink_layout)
@@ -674,8 +781,9 @@ class Buffer:
             return False
         return handle is None or getattr(handle, "nvlink_layout", None) is not None
 
-    def _nvlink(self, hidden: int):
-        """The NVLink transport for this hidden size, made (collectively) at its first dispatch."""
+    def _nvlink(self, hidden: int, sms: int):
+        """The NVLink transport for this hidden size, made (collectively) at its first dispatch; its kernels run
+        ``sms`` programs from this call on (every rank's calls agree on the count)."""
         transport = self._nvlink_transports.get(hidden)
         if transport is None:
             Transport = _transport_class(self.backend)
@@ -688,15 +796,17 @@ class Buffer:
                 fits = Transport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
                 low, high = (mid, high) if fits else (low, mid)
             bulk = {"bulk": "copy_engine"} if self.backend == "nvlink_copy_engine" else {}
-            transport = Transport(self.group, self.device, self.num_sms, low, hidden, NVLINK_MAX_TOPK,
+            transport = Transport(self.group, self.device, sms, low, hidden, NVLINK_MAX_TOPK,
                                   timeout_s=self.timeout_s, **bulk)
             self._nvlink_transports[hidden] = transport
+        transport.num_sms = sms
         return transport
 
-    def _dispatch_nvlink(self, handle, cached, values, scales, quantize, topk_idx, topk_weights, num_local_experts):
-        """The data phase of a dispatch through the NVLink kernels. The received tensors are copied out of the
-        transport's buffer, so they stay valid like the reference backend's."""
-        transport = self._nvlink(values.size(1))
+    def _dispatch_nvlink(self, handle, cached, values, scales, quantize, topk_idx, topk_weights, num_local_experts,
+                         sms: int):
+        """The data phase of a dispatch through the NVLink kernels, on ``sms`` programs. The received tensors are
+        copied out of the transport's buffer, so they stay valid like the reference backend's."""
+        transport = self._nvlink(values.size(1), sms)
         dense = lambda t: None if t is None else _dense(t)  # noqa: E731
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
@@ -964,6 +1074,8 @@ class Buffer:
             checks.append((H_NUM_EXPERTS, None, "num_tokens_per_expert", "num_experts"))
         # the handle of a cached dispatch or a combine: made by the same dispatch call on every rank
         checks.append((H_HANDLE, None, "handle", "the dispatch call that made the handle (call numbers)"))
+        # the device kernels of every rank wait for the same number of programs from each peer
+        checks.append((H_NUM_SMS, None, "config", "the SM count (config.num_sms, or Buffer.set_num_sms)"))
         for word, mask, argument, what in checks:
             values = [row[word] if mask is None else row[word] & mask for row in rows]
             if len(set(values)) != 1:
