@@ -6,6 +6,7 @@ give."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -154,12 +155,14 @@ def set_num_sms_and_configs(rank, world_size):
         round_trip_with(default, rank, Config(8, 6, 256, 6, 128))  # DeepEP's positional Config
         round_trip_with(default, rank, object())  # a config without num_sms: the buffer's count
         # invalid counts, refused where they are made
-        for bad in (0, -2, "24", True, 2.0):
-            with pytest.raises(EPArgumentError, match="num_sms: expected an int >= 1"):
+        for bad in (0, -2, "24", True, 2.0, 2 ** 70):
+            with pytest.raises(EPArgumentError, match=r"num_sms: expected an int in \[1, 65536\]"):
                 Buffer.set_num_sms(bad)
-            with pytest.raises(EPArgumentError, match="num_sms: expected an int >= 1"):
+            with pytest.raises(EPArgumentError, match=r"num_sms: expected an int in \[1, 65536\]"):
                 Config(bad)
         assert Buffer.num_sms == 24
+        assert Config().num_sms == 20 and Config(np.int64(12)).num_sms == 12  # DeepEP's default; numpy ints
+        round_trip_with(default, rank, Config(np.int32(10)))
         errors = []
         # a count over the budget's comm SMs, on one rank: refused on every rank before anything moves
         config = Config(16) if rank == world_size - 1 else None
@@ -172,11 +175,19 @@ def set_num_sms_and_configs(rank, world_size):
             round_trip_with(default, rank, Config(20 + 2 * rank))
         except EPArgumentError as error:
             errors.append((error.argument, str(error)))
-        # not an int
-        try:
-            round_trip_with(default, rank, SimpleNamespace(num_sms="many") if rank == 0 else None)
-        except EPArgumentError as error:
-            errors.append((error.argument, str(error)))
+        # not an int, and one too large for the header (raised on its rank, then on every rank)
+        for bad in ("many", 2 ** 70):
+            try:
+                round_trip_with(default, rank, SimpleNamespace(num_sms=bad) if rank == 0 else None)
+            except EPArgumentError as error:
+                errors.append((error.argument, str(error)))
+        # a call captured in a CUDA graph exchanges nothing: it must run on the count of the eager calls before it
+        # (here a stand-in for the transport those calls used)
+        eager = SimpleNamespace(num_sms=24)
+        assert default._captured_sms(None, eager) == 24 and default._captured_sms(Config(24), eager) == 24
+        with pytest.raises(EPArgumentError, match=r"config: a call captured in a CUDA graph runs on the SM count of "
+                                                  r"the eager calls before it \(24\); this one asks 16"):
+            default._captured_sms(Config(16), eager)
         round_trip_with(default, rank, None)  # the buffers stay usable
         round_trip_with(budgeted, rank, Config(4))
         return errors
@@ -187,9 +198,10 @@ def set_num_sms_and_configs(rank, world_size):
 def test_set_num_sms_and_configs_as_deepep():
     results = gloo_pool(2).run(set_num_sms_and_configs)
     for rank, errors in enumerate(results):
-        assert [argument for argument, _ in errors] == ["config"] * 3, errors
-        over_budget, differ, not_int = (message for _, message in errors)
+        assert [argument for argument, _ in errors] == ["config"] * 4, errors
+        over_budget, differ, not_int, too_large = (message for _, message in errors)
         assert ("exceeds the budget's 8 comm SMs" in over_budget) == (rank == 1), over_budget
         assert ("rejected on rank 1" in over_budget) == (rank == 0), over_budget
         assert "the SM count (config.num_sms, or Buffer.set_num_sms) differs between ranks: [20, 22]" in differ
-        assert ("must be an int >= 1, got 'many'" in not_int) == (rank == 0), not_int
+        assert ("must be an int in [1, 65536], got 'many'" in not_int) == (rank == 0), not_int
+        assert (f"got {2 ** 70}" in too_large) == (rank == 0) and ("rejected on rank 0" in too_large) == (rank == 1)

@@ -1,5 +1,6 @@
 """`Buffer`: expert-parallel dispatch and combine with the shape of DeepEP's normal (high-throughput) kernels."""
 
+import numbers
 from typing import List, Optional, Tuple, Union
 
 import numpy as np
@@ -76,6 +77,16 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
 
 
+MAX_NUM_SMS = 1 << 16  # far above any GPU's SMs; keeps a count inside the int64 header
+
+
+def _sms_count(name: str, value) -> int:
+    """An SM count as an int in [1, MAX_NUM_SMS] (numpy ints too), else `EPArgumentError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_SMS:
+        raise _reject(name, f"expected an int in [1, {MAX_NUM_SMS}], got {value!r}")
+    return int(value)
+
+
 def _check_expert_range(low: int, high: int, num_experts: int) -> None:
     """The smallest and largest top-k ids must lie in [-1, num_experts)."""
     if low < -1 or high >= num_experts:
@@ -106,16 +117,16 @@ class Config:
 
     Arguments:
         num_sms: the SMs (persistent programs) of the call's communication kernels, an int >= 1 (DeepEP's must be
-            even; any count works here).
+            even; any count works here). DeepEP's own `deep_ep.Config` does not expose its count to Python: passed
+            here it gives the buffer's `num_sms`.
         num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
         num_max_rdma_chunked_recv_tokens: accepted and kept (DeepEP's chunking of its NVLink and RDMA buffers).
     """
 
-    def __init__(self, num_sms: int, num_max_nvl_chunked_send_tokens: int = 6,
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256) -> None:
-        _check_int("num_sms", num_sms, 1)
-        self.num_sms = num_sms
+        self.num_sms = _sms_count("num_sms", num_sms)
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
@@ -194,7 +205,7 @@ class Buffer:
                 on CUDA tensors of the current device.
             num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
-            num_sms: the SMs the communication kernels use (a call's `config` may name fewer); None: the class
+            num_sms: the SMs the communication kernels use (a call's `config` may name another count); None: the class
                 attribute `Buffer.num_sms` at each call (20 unless `Buffer.set_num_sms` changed it, as DeepEP's
                 buffers follow it). Ignored when `budget` is given.
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
@@ -234,7 +245,7 @@ class Buffer:
                 raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
             _check_int("num_nvl_bytes", num_nvl_bytes, 0)
             if num_sms is not None:
-                _check_int("num_sms", num_sms, 1)
+                num_sms = _sms_count("num_sms", num_sms)
         except EPArgumentError as e:
             if group is None:  # no process group to tell the others through
                 raise
@@ -293,10 +304,10 @@ class Buffer:
         Set `Buffer.num_sms`, the SM count of every later call of buffers made without `num_sms` or `budget` (and
         of the configs `get_dispatch_config` / `get_combine_config` make), as DeepEP's `Buffer.set_num_sms`. Every
         rank must set the same count: a call whose ranks differ raises `EPArgumentError` naming `config` on every
-        rank before any token moves. Any int >= 1 (DeepEP's must be even).
+        rank before any token moves (an eager call; a captured one must use the count of the eager calls before
+        it). Any int >= 1 (DeepEP's must be even); a device backend refuses a count above its GPU's SMs at the call.
         """
-        _check_int("num_sms", new_num_sms, 1)
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = _sms_count("num_sms", new_num_sms)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -312,20 +323,35 @@ class Buffer:
         return Config(Buffer.num_sms)
 
     def _call_sms(self, config) -> int:
-        """The SM count of one call: ``config.num_sms`` when `config` has one (at most the budget's comm SMs, and
-        the device's SMs for the device backends, whose persistent programs must all be resident), else
-        `num_sms`."""
+        """The SM count of one call: ``config.num_sms`` when `config` has one (at most the budget's comm SMs),
+        else `num_sms`; for the device backends at most the GPU's SMs (their persistent programs must all be
+        resident at once)."""
         sms = getattr(config, "num_sms", None)
+        argument = "num_sms" if sms is None else "config"
         if sms is None:
-            return self.num_sms
-        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
-            raise _reject("config", f"config.num_sms must be an int >= 1, got {sms!r}")
-        if self.budget is not None and sms > self.num_sms:
-            raise _reject("config", f"config.num_sms={sms} exceeds the budget's {self.num_sms} comm SMs")
+            sms = self.num_sms
+        else:
+            try:
+                sms = _sms_count("config", sms)
+            except EPArgumentError:
+                raise _reject("config", f"config.num_sms must be an int in [1, {MAX_NUM_SMS}], got {sms!r}") from None
+            if self.budget is not None and sms > self.num_sms:
+                raise _reject("config", f"config.num_sms={sms} exceeds the budget's {self.num_sms} comm SMs")
         if self.backend in DEVICE_BACKENDS:
             device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             if sms > device_sms:
-                raise _reject("config", f"config.num_sms={sms} exceeds the {device_sms} SMs of {self.device}")
+                raise _reject(argument, f"{argument}={sms} (this call's SM count) exceeds the {device_sms} SMs of "
+                                        f"{self.device}")
+        return sms
+
+    def _captured_sms(self, config, transport) -> int:
+        """A captured call's SM count: that of the eager calls before it (every rank agreed on it there; a capture
+        exchanges nothing, and a combine's copy plan depends on the count)."""
+        sms = self._call_sms(config)
+        if sms != transport.num_sms:
+            raise _reject("config", f"a call captured in a CUDA graph runs on the SM count of the eager calls "
+                                    f"before it ({transport.num_sms}); this one asks {sms} (config.num_sms or "
+                                    f"Buffer.set_num_sms): make an eager call with that count first")
         return sms
 
     # -- sizes ---------------------------------------------------------------------------------------------
@@ -459,9 +485,11 @@ class Buffer:
                 empty list; the nvlink backend then needs no host synchronization and can be captured in a CUDA
                 graph, and so can the nvlink_copy_engine backend in the cached mode (`handle` of an eager dispatch,
                 which planned the copies on the host). Must be at least the number of tokens this rank receives.
-            config: DeepEP's `Config` (or `smsplit.ep.Config`, or anything with an int `num_sms`): the SMs of this
-                call's kernels, at most the budget's comm SMs; None, or an object without `num_sms`: `num_sms`.
-                Every rank must give the same count. The other fields tune DeepEP's ring buffers and are ignored.
+            config: a `Config` (`smsplit.ep.Config`, or anything with an int `num_sms`): the SMs of this call's
+                kernels, at most the budget's comm SMs; None, or an object without a readable `num_sms` (DeepEP's
+                own `deep_ep.Config`): `num_sms`. Every rank must give the same count; a call captured in a CUDA
+                graph must use that of the eager calls before it. Backward passes use `num_sms`. The other fields
+                tune DeepEP's ring buffers and are ignored.
             previous_event: the event the current stream waits for before the call reads its inputs (the argument
                 checks read the layout on the host after it).
             async_finish: return an event instead of making the current stream wait (the reference backend always
@@ -623,7 +651,6 @@ class Buffer:
         spec = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                     previous_event, fp8, dequantize, internal, check_values=False)
-        sms = self._call_sms(config)
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
         if worst <= 0:
             raise _reject("num_worst_tokens", "a dispatch captured in a CUDA graph needs num_worst_tokens > 0 (a "
@@ -636,6 +663,7 @@ class Buffer:
         if values.size(1) not in self._nvlink_transports:
             raise _reject("x", f"make one dispatch of hidden size {values.size(1)} before capturing (it allocates "
                                f"the symmetric buffer, which a capture cannot)")
+        sms = self._captured_sms(config, self._nvlink_transports[values.size(1)])
         self._wait_previous(previous_event)
         cached = handle is not None
         if not cached:
@@ -709,9 +737,9 @@ class Buffer:
         """`combine` without autograd; `internal` allows `x=None` (backward of weights only)."""
         if self._capturing():  # no host exchange: the nvlink kernels only (see _dispatch_captured)
             biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
-            sms = self._call_sms(config)
             if not self._nvlink_combines(x, handle):
                 raise _reject("x", "a captured combine takes bf16 rows of a dispatch made by the nvlink kernels")
+            sms = self._captured_sms(config, handle.nvlink_transport)
             self._wait_previous(previous_event)
             combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases, sms)
             return combined_x, summed_weights, self._finish_event(async_finish)
