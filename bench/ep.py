@@ -136,6 +136,7 @@ def worker(rank, world, port, args, queue):
         return start_together.median_ms(fn, repeat=args.reps)
 
     y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
+    yw = torch.rand(worst, K, generator=g).to(dev)  # received top-k weights, for --combine-weights
     layouts = {"nvlink": layout}
     if "nvlink_copy_engine" in transports:
         *_, layouts["nvlink_copy_engine"] = transports["nvlink_copy_engine"].dispatch(
@@ -215,12 +216,17 @@ def worker(rank, world, port, args, queue):
                                                       num_worst_tokens=worst, cached=cached),
             "combine": lambda: tr.combine(y, None, lay),
         }
+        if args.combine_weights:  # DeepEP's benchmark times its combine without weights; a model passes them
+            calls["combine_weighted"] = lambda: tr.combine(y, yw, lay)
+        if args.combine_tokens_per_step is not None:
+            tr.combine_tokens_per_step = args.combine_tokens_per_step
         graphs = {key: graph_of(call) for key, call in calls.items()}
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
                "combine_chunks": tr.combine_chunks if share is not None else None,
                "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps, "e4m3_store_bytes": e4m3}
+               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps, "e4m3_store_bytes": e4m3,
+               "combine_tokens_per_step": tr.combine_tokens_per_step}
         equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
@@ -411,6 +417,11 @@ def main():
     parser.add_argument("--e4m3-store-bytes", type=int, nargs="+", default=[16], choices=[8, 16],
                         help="NVLink transports replayed from CUDA graphs: an FP8 dispatch that quantizes stores each "
                              "thread's e4m3 bytes as one 16-byte vector (16, the default) or two 8-byte halves (8)")
+    parser.add_argument("--combine-weights", action="store_true",
+                        help="NVLink transports replayed from CUDA graphs: also time a combine that sums top-k weights")
+    parser.add_argument("--combine-tokens-per-step", type=int, default=None,
+                        help="NVLink transports replayed from CUDA graphs: tokens each program sums per combine step "
+                             "(default: the transport's, 8 with 2 ranks, else 4)")
     parser.add_argument("--num-warps", type=int, default=16,
                         help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
