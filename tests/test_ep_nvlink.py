@@ -547,6 +547,30 @@ def test_cached_dispatches_in_a_row_wait_for_each_peer_to_read_the_last(bulk, qu
     mp.spawn(_cached_dispatches_worker, args=(2, free_port(), bulk, quantize), nprocs=2, join=True)
 
 
+def _routed_tokens(g, n, H, E, K, dev):
+    """``n`` random bf16 tokens of hidden size ``H``, their top-``K`` of ``E`` experts (about a fifth dropped: -1)
+    and their weights, from generator ``g``."""
+    x = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
+    topk = torch.randint(0, E, (n, K), generator=g)
+    topk[torch.rand(n, K, generator=g) < 0.2] = -1
+    return x, topk.to(dev), torch.rand(n, K, generator=g).to(dev)
+
+
+def _layout_kwargs(buf, topk, weights, E, **extra):
+    """`Buffer.dispatch`'s layout keywords for ``topk`` (from `buf.get_dispatch_layout`), the top-k and ``extra``."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk, topk_weights=weights, **extra)
+
+
+def _assert_outputs_equal(got, expected, label):
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if isinstance(a, list):
+            assert a == b, f"{label}: output {i}: {a} != {b}"
+        else:
+            assert torch.equal(a, b), f"{label}: output {i} differs"
+
+
 def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
     """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs, hidden size H."""
     from smsplit.ep import Buffer
@@ -559,17 +583,10 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
     ref = Buffer(group, backend="reference", timeout_s=30)
     for seed in range(3):
         g = torch.Generator(device="cpu").manual_seed(100 * seed + rank)
-        n = T - 17 * rank - 30 * seed
-        x = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
-        topk = torch.randint(0, E, (n, K), generator=g)
-        topk[torch.rand(n, K, generator=g) < 0.2] = -1
-        topk = topk.to(dev)
-        w = torch.rand(n, K, generator=g).to(dev)
+        x, topk, w = _routed_tokens(g, T - 17 * rank - 30 * seed, H, E, K, dev)
         outs = {}
         for name, buf in ((backend, fast), ("reference", ref)):
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-            common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                          topk_idx=topk, topk_weights=w)
+            common = _layout_kwargs(buf, topk, w, E)
             bf16 = buf.dispatch(misaligned_copy(x), **common)  # the kernels read 16-byte vectors: the Buffer realigns
             q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
             q32 = buf.dispatch(x.float() * 3.0, **common, fp8=True, dequantize=True)  # fp32 quantized in the kernel
@@ -587,11 +604,7 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
                 q32_rows = in_reference_order(q32_rows, q32[4], rank)
                 qin_rows = [in_reference_order(t, qin[4], rank) for t in qin_rows]
             outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows)
-        for i, (a, b) in enumerate(zip(outs[backend], outs["reference"])):
-            if isinstance(a, list):
-                assert a == b, f"seed {seed}: output {i}: {a} != {b}"
-            else:
-                assert torch.equal(a, b), f"seed {seed}: output {i} differs"
+        _assert_outputs_equal(outs[backend], outs["reference"], f"seed {seed}")
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
@@ -612,17 +625,10 @@ def _buffer_sms_worker(rank, world, port, backend):
         if set_to is not None:
             Buffer.set_num_sms(set_to)
         g = torch.Generator(device="cpu").manual_seed(300 + 10 * step + rank)
-        n = T - 13 * rank - 7 * step
-        x = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
-        topk = torch.randint(0, E, (n, K), generator=g)
-        topk[torch.rand(n, K, generator=g) < 0.2] = -1
-        topk = topk.to(dev)
-        w = torch.rand(n, K, generator=g).to(dev)
+        x, topk, w = _routed_tokens(g, T - 13 * rank - 7 * step, H, E, K, dev)
         outs = {}
         for name, buf in ((backend, fast), ("reference", ref)):
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
-            common = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                          topk_idx=topk, topk_weights=w, config=config)
+            common = _layout_kwargs(buf, topk, w, E, config=config)
             bf16 = buf.dispatch(x, **common)
             q = buf.dispatch(x, **common, fp8=True)
             combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2], config=config)
@@ -634,8 +640,7 @@ def _buffer_sms_worker(rank, world, port, backend):
                 rows = [in_reference_order(rows[0], bf16[4], rank)] + [in_reference_order(t, q[4], rank)
                                                                       for t in rows[1:]]
             outs[name] = (*rows, combined, combined_w)
-        for i, (a, b) in enumerate(zip(outs[backend], outs["reference"])):
-            assert torch.equal(a, b), f"step {step}: output {i} differs"
+        _assert_outputs_equal(outs[backend], outs["reference"], f"step {step}")
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
@@ -933,10 +938,8 @@ def _buffer_graph_worker(rank, world, port):
         w.copy_(torch.rand(T, K, generator=g))
 
     def step(buf):
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, E)
         recv_x, recv_k, recv_w, per_expert_list, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk, topk_weights=w, num_worst_tokens=worst)
+            x, **_layout_kwargs(buf, topk, w, E, num_worst_tokens=worst))
         y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
         out, out_w, _ = buf.combine(y, handle, topk_weights=recv_w)
         return recv_x, recv_k, recv_w, per_expert_list, handle, out, out_w

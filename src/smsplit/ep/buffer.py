@@ -80,10 +80,11 @@ def _check_int(name: str, value, minimum: int) -> None:
 MAX_NUM_SMS = 1 << 16  # far above any GPU's SMs; keeps a count inside the int64 header
 
 
-def _sms_count(name: str, value) -> int:
-    """An SM count as an int in [1, MAX_NUM_SMS] (numpy ints too), else `EPArgumentError` naming ``name``."""
+def _sms_count(name: str, value, subject: str = "expected") -> int:
+    """An SM count as an int in [1, MAX_NUM_SMS] (numpy ints too), else `EPArgumentError` naming ``name`` (its
+    message: ``subject`` an int in ...)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_SMS:
-        raise _reject(name, f"expected an int in [1, {MAX_NUM_SMS}], got {value!r}")
+        raise _reject(name, f"{subject} an int in [1, {MAX_NUM_SMS}], got {value!r}")
     return int(value)
 
 
@@ -274,6 +275,9 @@ class Buffer:
         if error is None and self.backend in DEVICE_BACKENDS and num_nvl_bytes == 0:
             error = _reject("num_nvl_bytes", f"backend={self.backend!r} needs a receive buffer: size it with "
                                              f"Buffer.get_buffer_size_hint(..., backend={self.backend!r})")
+        # a device backend's calls run at most this many persistent programs (`_call_sms`)
+        self._device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if error is None and self.backend in DEVICE_BACKENDS else None)
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
         self._nvlink_failure: Optional[str] = None
@@ -319,8 +323,7 @@ class Buffer:
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """A `Config` with `Buffer.num_sms` for a combine over `num_ranks` ranks (DeepEP's static method)."""
-        _check_int("num_ranks", num_ranks, 1)
-        return Config(Buffer.num_sms)
+        return Buffer.get_dispatch_config(num_ranks)
 
     def _call_sms(self, config) -> int:
         """The SM count of one call: ``config.num_sms`` when `config` has one (at most the budget's comm SMs),
@@ -331,17 +334,12 @@ class Buffer:
         if sms is None:
             sms = self.num_sms
         else:
-            try:
-                sms = _sms_count("config", sms)
-            except EPArgumentError:
-                raise _reject("config", f"config.num_sms must be an int in [1, {MAX_NUM_SMS}], got {sms!r}") from None
+            sms = _sms_count("config", sms, "config.num_sms must be")
             if self.budget is not None and sms > self.num_sms:
                 raise _reject("config", f"config.num_sms={sms} exceeds the budget's {self.num_sms} comm SMs")
-        if self.backend in DEVICE_BACKENDS:
-            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if sms > device_sms:
-                raise _reject(argument, f"{argument}={sms} (this call's SM count) exceeds the {device_sms} SMs of "
-                                        f"{self.device}")
+        if self._device_sms is not None and sms > self._device_sms:
+            raise _reject(argument, f"{argument}={sms} (this call's SM count) exceeds the {self._device_sms} SMs of "
+                                    f"{self.device}")
         return sms
 
     def _captured_sms(self, config, transport) -> int:
