@@ -195,6 +195,9 @@ def worker(rank, world, port, args, queue):
                    for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
                    for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])
                    for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])]
+    if args.combine_tokens_per_step is not None:
+        for name in {case[0] for case in graph_cases}:
+            transports[name].combine_tokens_per_step = args.combine_tokens_per_step
     for name, P, share, chunks, stage, mover, e4m3 in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
@@ -218,8 +221,6 @@ def worker(rank, world, port, args, queue):
         }
         if args.combine_weights:  # DeepEP's benchmark times its combine without weights; a model passes them
             calls["combine_weighted"] = lambda: tr.combine(y, yw, lay)
-        if args.combine_tokens_per_step is not None:
-            tr.combine_tokens_per_step = args.combine_tokens_per_step
         graphs = {key: graph_of(call) for key, call in calls.items()}
         row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
                "combine_copy_share": tr.combine_copy_share if share is not None else None,
