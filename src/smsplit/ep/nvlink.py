@@ -90,6 +90,8 @@ SUMMED_SLOT = tl.constexpr(3)
 FREE_SLOT = tl.constexpr(4)
 STARTED_SLOT = tl.constexpr(5)
 X_FREE_SLOT = tl.constexpr(6)
+WEIGHTS_BLOCK = tl.constexpr(2048)  # combine: the fp32 top-k weights a program pushes per step
+WEIGHTS_TOKENS = tl.constexpr(64)  # combine: the tokens whose weights a program sums per step
 
 
 # --- device helpers --------------------------------------------------------------------------------
@@ -234,8 +236,6 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
     cols = tl.arange(0, RP)
     h = tl.arange(0, HB)[None, :]
     hmask = h < H
-    k = tl.arange(0, KP)[None, :]
-    kmask = k < K
     t64 = t.to(tl.int64)[:, None]
     pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
     if RP == 2:  # two ranks: at most two rows per token, added as packed bf16 pairs (`ptx.bf16x2_add_as_fp32`)
@@ -261,15 +261,25 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
                                cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + t64 * H + h, acc.to(tl.bfloat16), mask=tmask[:, None] & hmask)
     if HAS_WEIGHTS:
-        acc_w = tl.zeros((TB, KP), dtype=tl.float32)
-        for d in range(R):
-            p = _column(pos, cols, d).to(tl.int64)[:, None]
-            ok = p >= 0
-            if d == rank:
-                acc_w += tl.load(yw_ptr + (self_start + p) * K + k, mask=ok & kmask, other=0.0)
-            else:
-                acc_w += tl.load(cw + (d * slots + p) * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
-        tl.store(out_w_ptr + t64 * K + k, acc_w, mask=tmask[:, None] & kmask)
+        sum_returned_weights(t, tmask, pos, R, rank, self_start, yw_ptr, cw, slots, out_w_ptr, K, KP, RP, TB)
+
+
+@triton.jit
+def sum_returned_weights(t, tmask, pos, R, rank, self_start, yw_ptr, cw, slots, out_w_ptr, K,
+                         KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr):
+    """The weights' part of `sum_returned_rows` (``pos``: ``[TB, RP]``, the tokens' rows on each rank)."""
+    cols = tl.arange(0, RP)
+    k = tl.arange(0, KP)[None, :]
+    kmask = k < K
+    acc_w = tl.zeros((TB, KP), dtype=tl.float32)
+    for d in range(R):
+        p = _column(pos, cols, d).to(tl.int64)[:, None]
+        ok = p >= 0
+        if d == rank:
+            acc_w += tl.load(yw_ptr + (self_start + p) * K + k, mask=ok & kmask, other=0.0)
+        else:
+            acc_w += tl.load(cw + (d * slots + p) * K + k, mask=ok & kmask, other=0.0, cache_modifier=".cg")
+    tl.store(out_w_ptr + t.to(tl.int64)[:, None] * K + k, acc_w, mask=tmask[:, None] & kmask)
 
 
 @triton.jit
@@ -704,12 +714,9 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     vec = tl.arange(0, VEC)[None, :]
     n_vec = H * 2 // 16
     vmask = vec < n_vec
-    k = tl.arange(0, KP)[None, :]
-    kmask = k < K
     cols = tl.arange(0, RP)
     cc = tl.arange(0, CP)
     total = tl.load(layout_ptr + 2 * R)
-    starts = tl.load(layout_ptr + R + cols, mask=cols < R, other=2**30)
     self_start = tl.load(layout_ptr + R + rank)
     if WAIT_COPIES:
         if pid == 0:  # each source learns where the chunks of the rows it gets back end
@@ -717,22 +724,28 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 if d != rank:
                     ends_there = (tl.load(bases_ptr + d) + off_chunk_ends).to(tl.pointer_type(tl.int32)) + rank * CHUNKS
                     tl.store(ends_there + cc, tl.load(chunk_ends_ptr + d * CHUNKS + cc, mask=cc < CHUNKS), mask=cc < CHUNKS)
-    for r0 in range(pid * TB, total, programs * TB):
-        r = r0 + tl.arange(0, TB)
-        r64 = r.to(tl.int64)[:, None]
-        source = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1) - 1
-        rmask = ((r < total) & (source != rank))[:, None]
-        i = (r - tl.load(layout_ptr + R + source, mask=r < total, other=0)).to(tl.int64)  # position among the source's rows
-        base = tl.load(bases_ptr + source, mask=r < total, other=0)[:, None]
-        slot = rank * max_tokens + i[:, None]
-        copied = tl.load(chunk_ends_ptr + source * CHUNKS + CHUNKS - 1, mask=r < total, other=0)
-        push = rmask & (i >= copied)[:, None]
-        w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, push & vmask)
-        dst = (base + off_cx + slot * H * 2).to(tl.pointer_type(tl.int32))
-        ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, push & vmask)
-        if HAS_WEIGHTS:
-            w = tl.load(yw_ptr + r64 * K + k, mask=rmask & kmask)
-            tl.store((base + off_cw + slot * K * 4).to(tl.pointer_type(tl.float32)) + k, w, mask=rmask & kmask)
+    # per source, its rows past the copies (all of them without copy engines), TB at a time, then the weights of
+    # all its rows as one flat range (a source's rows are contiguous in y and in its combine slots)
+    for d in range(R):
+        if d != rank:
+            start = tl.load(layout_ptr + R + d)
+            end = tl.load(layout_ptr + R + d + 1)  # (word 2R is the total: the last source's end)
+            base = tl.load(bases_ptr + d)
+            first_slot = rank * max_tokens - start
+            for r0 in range(start + tl.load(chunk_ends_ptr + d * CHUNKS + CHUNKS - 1) + pid * TB, end, programs * TB):
+                r = r0 + tl.arange(0, TB)
+                push = (r < end)[:, None] & vmask
+                r64 = r.to(tl.int64)[:, None]
+                w0, w1, w2, w3 = ptx.ld_global_nc_v4(y_ptr + r64 * (n_vec * 4) + 4 * vec, push)
+                dst = (base + off_cx + (first_slot + r64) * H * 2).to(tl.pointer_type(tl.int32))
+                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, push)
+            if HAS_WEIGHTS:
+                n_w = (end - start) * K
+                src_w = yw_ptr + start.to(tl.int64) * K
+                dst_w = (base + off_cw + (rank * max_tokens).to(tl.int64) * K * 4).to(tl.pointer_type(tl.float32))
+                for f0 in range(pid * WEIGHTS_BLOCK, n_w, programs * WEIGHTS_BLOCK):
+                    f = f0 + tl.arange(0, WEIGHTS_BLOCK)
+                    tl.store(dst_w + f, tl.load(src_w + f, mask=f < n_w), mask=f < n_w)
     _signal_all(bases_ptr, sig_off + 2 * 64, rank, R)
     _wait_for_ranks((own + sig_off + 2 * 64).to(tl.pointer_type(tl.int32)), 0, 1, R, rank, 0, expected + programs,
                     timeout_ns, status_ptr, fail_ptr, 3)
@@ -749,6 +762,14 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
     cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
     y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    if HAS_WEIGHTS:  # all pushed before the barrier: summed first, in a pass of their own (while the copies land; in
+        # the rows' loop they spilled registers)
+        for t0 in range(pid * WEIGHTS_TOKENS, T, programs * WEIGHTS_TOKENS):
+            t = t0 + tl.arange(0, WEIGHTS_TOKENS)
+            pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :],
+                          mask=(t < T)[:, None] & (cols[None, :] < R), other=-1)
+            sum_returned_weights(t, t < T, pos, R, rank, self_start, yw_ptr, cw, max_tokens, out_w_ptr, K, KP, RP,
+                                 WEIGHTS_TOKENS)
     for t0 in range(pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         if WAIT_COPIES:
@@ -768,7 +789,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 tl.debug_barrier()
                 landed = tl.maximum(landed, need)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx, cw, max_tokens, out_ptr, out_w_ptr,
-                          H, K, HB, KP, RP, TB, HAS_WEIGHTS)
+                          H, K, HB, KP, RP, TB, False)
     if WAIT_COPIES:  # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
         for d in range(R):
             if (d != rank) & (_pick(landed, cols, d) < CHUNKS - 1):
