@@ -106,6 +106,41 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
+def _spill_bytes(ptx_text: str) -> int:
+    """Bytes of register spill stores ``ptxas -v`` reports for sm_90a (Triton's own ptxas, no GPU needed)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx_text)
+        f.flush()
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+
+def test_combine_kernel_does_not_spill_with_two_ranks():
+    """The combine at its default 8 tokens a step on 2 ranks, with and without top-k weights, keeps its registers
+    (with weights in the rows' loop it spilled 76 bytes and a weighted combine took 258 us against 204 without, at
+    20 SMs on 2 H200; BENCHMARKS.md §2, session 27)."""
+    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
+           "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
+           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
+           "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
+           "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
+           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
+           "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    for weights in (False, True):
+        consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": weights,
+                  "WAIT_COPIES": True, "CHUNKS": 4, "CP": 4, "TRACE": False}
+        text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
+        assert _spill_bytes(text) == 0, f"weights {weights}"
+
+
 def test_a_timed_out_wait_is_named_by_what_it_waited_for():
     """Each status code the kernels write names its wait in the EPTimeoutError (rank, peer, counts); code 4 (the
     receive size passed num_worst_tokens) is a ValueError. The host side alone, on the CPU."""

@@ -716,7 +716,6 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     vmask = vec < n_vec
     cols = tl.arange(0, RP)
     cc = tl.arange(0, CP)
-    total = tl.load(layout_ptr + 2 * R)
     self_start = tl.load(layout_ptr + R + rank)
     if WAIT_COPIES:
         if pid == 0:  # each source learns where the chunks of the rows it gets back end
