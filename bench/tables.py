@@ -91,10 +91,13 @@ def ep():
               "inside); nvlink_copy_engine: a cached layout (its copies are planned on the host at the first call):\n")
         queued = "combine_graph_queued_ms" in graph_rows[0]
         aligned = "combine_graph_aligned_ms" in graph_rows[0]
+        weighted = "combine_weighted_graph_ms" in graph_rows[0]  # bench/ep.py --combine-weights
         extra = (" BF16 / FP8 / combine, 5 queued (us) |" if queued else "") + (
-            " same, started together (us) |" if aligned else "")
+            " same, started together (us) |" if aligned else "") + (
+            " combine with top-k weights: one call / 5 queued / started together (us) |" if weighted else "")
         print("| transport | copy share | comm SMs | dispatch BF16 (us) | dispatch FP8 (us) | combine (us) |" + extra)
-        print("|---|---|---|---|---|---|" + ("---|" if queued else "") + ("---|" if aligned else ""))
+        print("|---|---|---|---|---|---|" + ("---|" if queued else "") + ("---|" if aligned else "")
+              + ("---|" if weighted else ""))
         for r in graph_rows:
             share = "" if r.get("copy_share") is None else f"{r['copy_share']:g}"
             if r.get("combine_chunks"):
@@ -103,6 +106,9 @@ def ep():
                                        ("dispatch_bf16", "dispatch_fp8", "combine")) + " |") if queued else ""
             steady += (" " + " / ".join(f"{r[k + '_graph_aligned_ms'] * 1e3:.0f}" for k in
                                         ("dispatch_bf16", "dispatch_fp8", "combine")) + " |") if aligned else ""
+            steady += (" " + " / ".join(f"{r[k] * 1e3:.0f}" for k in
+                                        ("combine_weighted_graph_ms", "combine_weighted_graph_queued_ms",
+                                         "combine_weighted_graph_aligned_ms") if k in r) + " |") if weighted else ""
             print(f"| {r['transport']} | {share} | {r['comm_sms']} | {r['dispatch_bf16_graph_ms'] * 1e3:.0f} | "
                   f"{r['dispatch_fp8_graph_ms'] * 1e3:.0f} | {r['combine_graph_ms'] * 1e3:.0f} |" + steady)
         print()
