@@ -294,3 +294,21 @@ def test_a_constructor_argument_rejected_on_one_rank_is_raised_on_every_rank_at_
     results = gloo_pool(2).run(case_constructor_error_on_one_rank, argument)
     assert all(r is not None and r[0] == argument and r[2] < 5.0 for r in results), results
     assert "rejected on rank 1" in results[0][1] and results[1][1].startswith(f"{argument}: ")
+
+
+def test_a_device_combine_rejects_weights_its_slots_cannot_hold():
+    """The device transports' combine writes the weights into slots of max_topk columns on the peers: a wider,
+    shorter, non-float32 or strided tensor is a ValueError naming topk_weights before any kernel (a 17-column one
+    would have been written past the peer's buffer)."""
+    from smsplit.ep.transport import check_combine_weights
+
+    check_combine_weights(None, 5, 16)
+    check_combine_weights(torch.rand(5, 16), 5, 16)
+    check_combine_weights(torch.rand(0, 3), 0, 16)
+    bad = {"wider": torch.rand(5, 17), "over this transport's max": torch.rand(5, 10),
+           "fewer rows": torch.rand(4, 8), "bf16": torch.rand(5, 8).bfloat16(), "1-D": torch.rand(5),
+           "no columns": torch.rand(5, 0), "strided": torch.rand(8, 5).t()}
+    for what, weights in bad.items():
+        with pytest.raises(ValueError, match="topk_weights") as error:
+            check_combine_weights(weights, 5, 9)
+        assert "float32 [5, k] with 1 <= k <= 9" in str(error.value) or what == "strided", what

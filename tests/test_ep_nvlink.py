@@ -631,6 +631,9 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(misaligned_copy(bf16[0]), bf16[4], topk_weights=bf16[2])
+            if name == backend and seed == 0:  # wider than the peers' weight slots: rejected on every rank
+                with pytest.raises(ValueError, match="topk_weights"):
+                    buf.combine(bf16[0], bf16[4], topk_weights=torch.rand(bf16[0].size(0), 17, device=dev))
             bf16_rows, q_rows, q32_rows = bf16[:3], (q[0][0].view(torch.uint8), q[0][1], q[1]), q32[0]
             qin_rows = (qin[0][0].view(torch.uint8), qin[0][1], qin[1])
             if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them

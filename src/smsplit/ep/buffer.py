@@ -1007,6 +1007,9 @@ class Buffer:
                                                    f"{self.num_nvl_bytes}")
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, self.device, (torch.float32,), (rows, None))
+            if self.backend in DEVICE_BACKENDS and topk_weights.size(1) > NVLINK_MAX_TOPK:
+                raise _reject("topk_weights", f"the {self.backend} backend combines up to {NVLINK_MAX_TOPK} top-k "
+                                              f"columns, got {topk_weights.size(1)}")
         if bias is not None and not isinstance(bias, (torch.Tensor, tuple, list)):
             raise _reject("bias", f"expected None, a tensor, or a tuple of two tensors, got {type(bias).__name__}")
         biases = _bias_tuple(bias)

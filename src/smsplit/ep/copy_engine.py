@@ -19,7 +19,7 @@ from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
-from .transport import EPTimeoutError, poll_until
+from .transport import EPTimeoutError, check_combine_weights, poll_until
 
 
 class StreamOps:
@@ -519,8 +519,7 @@ class CopyEngineTransport:
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
             raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
                              f"got {y.dtype} {tuple(y.shape)}")
-        if y_weights is not None and (not y_weights.is_contiguous() or y_weights.size(0) != layout.num_recv_rows):
-            raise ValueError("topk_weights: expected a contiguous tensor with a row per received token")
+        check_combine_weights(y_weights, layout.num_recv_rows, self.max_topk)
         K = y_weights.size(1) if y_weights is not None else 1
         stream = torch.cuda.current_stream(self.device)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)

@@ -51,7 +51,7 @@ from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
-from .transport import EPError, EPTimeoutError
+from .transport import EPError, EPTimeoutError, check_combine_weights
 
 SCALE_BLOCK = 128
 ALIGN = 256
@@ -1408,8 +1408,7 @@ class NvlinkTransport:
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
             raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
                              f"got {y.dtype} {tuple(y.shape)}")
-        if y_weights is not None and not y_weights.is_contiguous():
-            raise ValueError("topk_weights: the kernels index rows densely; pass a contiguous tensor")
+        check_combine_weights(y_weights, layout.num_recv_rows, self.max_topk)
         K = y_weights.size(1) if y_weights is not None else 1
         copies = self.bulk == "copy_engine"
         if copies and torch.cuda.is_current_stream_capturing() and (

@@ -126,6 +126,20 @@ SPIN_S = 0.002  # how long a host wait polls without sleeping (a sleep lasts 60-
 _yield = getattr(os, "sched_yield", lambda: None)  # give the core to a peer process between polls
 
 
+def check_combine_weights(weights: Optional[torch.Tensor], rows: int, max_topk: int) -> None:
+    """A device transport's combine writes ``weights`` (float32 ``[rows, k]``, contiguous) into slots sized for
+    ``max_topk`` columns on the peers: anything else is a ``ValueError`` naming ``topk_weights``, raised before a
+    kernel could write past the slots."""
+    if weights is None:
+        return
+    if (weights.dtype != torch.float32 or weights.dim() != 2 or weights.size(0) != rows
+            or not 1 <= weights.size(1) <= max_topk):
+        raise ValueError(f"topk_weights: expected float32 [{rows}, k] with 1 <= k <= {max_topk}, got "
+                         f"{weights.dtype} {tuple(weights.shape)}")
+    if not weights.is_contiguous():
+        raise ValueError("topk_weights: the kernels index rows densely; pass a contiguous tensor")
+
+
 def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
     """Call `ready()` until it returns True (then True) or `time.monotonic()` passes `deadline` (then False): without
     sleeping for the first `SPIN_S`, then every 100 us."""
