@@ -15,6 +15,20 @@ from smsplit.ep.testing import free_port, misaligned_copy
 from smsplit.fp8 import quantize_1x128
 
 
+# combine_kernel's argument types, and the arguments compiled as multiples of 16, for compiling it on the CPU
+COMBINE_SIGNATURE = {
+    "y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+    "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
+    "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
+    "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
+    "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
+    "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
+    "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
+    "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
+COMBINE_ALIGNED = [name for name, kind in COMBINE_SIGNATURE.items()
+                   if kind.startswith("*") or name.startswith("off_")] + ["H"]
+
+
 def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     base = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
@@ -77,15 +91,7 @@ def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     assert ptx.INSTRUCTIONS["atom_add_release_sys"] in text
     # its last launch waits for arrivals and the peers' copies, not for its own copies (hole fillers were staged)
     assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
-    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
-           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
-           "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
-           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
-           "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
-           "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
-           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
-           "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    sig, aligned = COMBINE_SIGNATURE, COMBINE_ALIGNED
     consts = {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2, "HAS_WEIGHTS": True,
               "WAIT_COPIES": False, "CHUNKS": 1, "CP": 1, "TRACE": False}
     text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
@@ -125,15 +131,7 @@ def test_combine_kernel_does_not_spill_with_two_ranks():
     """The combine at its default 8 tokens a step on 2 ranks, with and without top-k weights, keeps its registers
     (with weights in the rows' loop it spilled 76 bytes and a weighted combine took 258 us against 204 without, at
     20 SMs on 2 H200; BENCHMARKS.md §2, session 27)."""
-    sig = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
-           "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
-           "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
-           "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
-           "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
-           "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
-           "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
-           "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    sig, aligned = COMBINE_SIGNATURE, COMBINE_ALIGNED
     for weights in (False, True):
         consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": weights,
                   "WAIT_COPIES": True, "CHUNKS": 4, "CP": 4, "TRACE": False}
