@@ -80,12 +80,12 @@ COPIES_WORD = tl.constexpr(8)
 # shared signal words, 64 bytes per slot: slot [phase] counts the arrivals of a phase's programs per source
 # (notify, dispatch, combine), slot SUMMED_SLOT the combine programs per rank that have finished their sums,
 # slot FREE_SLOT (bulk="copy_engine") word [peer] 1 while this rank may copy a combine's rows into the peer's
-# combine area (the peer has summed the previous ones; the peer's last combine program adds 1, this rank's copy
-# stream waits for 1 and stores 0 before its copies)
+# combine area (the peer has summed the previous ones; the peer's last combine program adds 1; this rank's reset
+# stream waits for 1, lets the copy stream start its copies, and stores 0 beside them)
 # slot STARTED_SLOT word [s] the dispatches rank s has started (its first launch's program 0 adds 1 on every rank),
 # slot X_FREE_SLOT (bulk="copy_engine") word [s] 1 once rank s has started a dispatch that copies (not one whose
-# kernel pushes every row): this rank's copy stream waits for 1 and stores 0 before its dispatch copies into s's
-# receive area
+# kernel pushes every row): this rank's reset stream waits for 1 before its copy stream's dispatch copies into s's
+# receive area, and stores 0 beside them
 SUMMED_SLOT = tl.constexpr(3)
 FREE_SLOT = tl.constexpr(4)
 STARTED_SLOT = tl.constexpr(5)
@@ -1029,6 +1029,10 @@ class NvlinkTransport:
 
             self.ops = StreamOps(self.device)
             self.copy_stream = self.ops.new_stream()  # not a pooled stream: a caller's stream must never be it
+            # the copy stream's waits for the peers' words run here, and the words' resets beside the copies
+            self.reset_stream = self.ops.new_stream()
+            self._words_seen, self._words_reset = torch.cuda.Event(), torch.cuda.Event()
+            self._reset_pending = False
             # copy-done counters (dispatch, combine): the value the next chain copies into peers' flags (chains
             # count from 1), bumped on the copy stream after each chain
             self.copies_done = torch.ones(2, dtype=torch.int32, device=self.device)
@@ -1183,14 +1187,21 @@ class NvlinkTransport:
         launch), before a combine's (counter 1), until every peer has summed this rank's previous combine (its
         FREE_SLOT word, which it sets once it has this combine's last flag); stream memory operations, so that no
         kernel precedes the first copy (a kernel there delayed it 7.5-8.6 us, BENCHMARKS.md §2 session 11; these
-        cost a dispatch about 10 us even when the words are already set, session 16). Its flags copy counter
-        ``counter``."""
-        cs = self.copy_stream
+        cost a dispatch about 10 us even when the words are already set, session 16). The waits and the words'
+        resets run on ``reset_stream``: the copy stream waits for the waits only, and for the resets before its first
+        flag (`_wait_for_reset`). Its flags copy counter ``counter``."""
+        cs, rs = self.copy_stream, self.reset_stream
         cs.wait_event(after)
+        rs.wait_event(after)
         words = self._x_free_addr if counter == 0 else self._free_addr
         for peer in self._peers:
-            self.ops.wait_geq(cs, words + 4 * peer, 1)
-            self.ops.write(cs, words + 4 * peer, 0)
+            self.ops.wait_geq(rs, words + 4 * peer, 1)
+        self._words_seen.record(rs)
+        for peer in self._peers:  # (a fenced write: on the copy stream it held the first copy back ~9 us, session 27)
+            self.ops.write(rs, words + 4 * peer, 0)
+        self._words_reset.record(rs)
+        cs.wait_event(self._words_seen)
+        self._reset_pending = True
         self._counter = self.copies_done[counter:counter + 1]
 
     def _copy_step(self, copies: list, flag: int, peers, after: torch.cuda.Event | None = None) -> None:
@@ -1203,13 +1214,23 @@ class NvlinkTransport:
                 self.ops.memcpy(cs, dst, src, nbytes)
         else:
             self.ops.memcpy_batch(cs, copies)
+        if peers:
+            self._wait_for_reset()
         for peer in peers:
             self.ops.memcpy(cs, self.base_addrs[peer] + self.offsets["copied"] + 4 * (flag * self.num_ranks + self.rank),
                             self._counter.data_ptr(), 4)
 
+    def _wait_for_reset(self) -> None:
+        """The copy stream waits for the reset of the peers' words (`_copy_start`) before this chain's first flag: a
+        peer sets its word again only after it has seen this chain's flags, so the reset never erases that."""
+        if self._reset_pending:
+            self.copy_stream.wait_event(self._words_reset)
+            self._reset_pending = False
+
     def _copy_done(self) -> torch.cuda.Event:
         """End a `_copy`: bump the counter for the next chain; returns the event of the copy stream so far."""
         cs = self.copy_stream
+        self._wait_for_reset()
         with torch.cuda.stream(cs):
             bump_kernel[(1,)](self._counter, num_warps=1)
         done = torch.cuda.Event()
