@@ -20,7 +20,7 @@ COMBINE_SIGNATURE = {
     "y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
     "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
     "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
-    "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32",
+    "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32",
     "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
     "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
     "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
@@ -140,8 +140,8 @@ def test_combine_kernel_does_not_spill_with_two_ranks():
 
 
 def test_a_timed_out_wait_is_named_by_what_it_waited_for():
-    """Each status code the kernels write names its wait in the EPTimeoutError (rank, peer, counts); code 4 (the
-    receive size passed num_worst_tokens) is a ValueError. The host side alone, on the CPU."""
+    """Each status code the kernels write names its wait in the EPTimeoutError (rank, peer, counts); codes 4 and 10
+    (this rank's or a peer's receive size passed num_worst_tokens) are ValueErrors. The host side alone, on the CPU."""
     transport = nvlink.NvlinkTransport.__new__(nvlink.NvlinkTransport)
     transport.rank, transport.timeout_s = 0, 5.0
     for code, text in nvlink.WAITS.items():
@@ -152,7 +152,10 @@ def test_a_timed_out_wait_is_named_by_what_it_waited_for():
         assert str(caught.value).startswith("rank 0: ") and "timeout_s=5" in str(caught.value)
     assert len({text.split(":")[0] for text in nvlink.WAITS.values()}) == 3  # notify, dispatch, combine
     transport.status = torch.tensor([4, 9000, 8192, 0], dtype=torch.int32)
-    with pytest.raises(ValueError, match="num_worst_tokens"):
+    with pytest.raises(ValueError, match="num_worst_tokens: rank 0 receives 9000 tokens, more than num_worst_tokens=8192"):
+        transport.raise_if_failed()
+    transport.status = torch.tensor([10, 1, 0, 0], dtype=torch.int32)  # a peer's receive passed its num_worst_tokens
+    with pytest.raises(ValueError, match="rank 1 received more tokens than its num_worst_tokens, so rank 0's combine"):
         transport.raise_if_failed()
     transport.status = torch.zeros(4, dtype=torch.int32)
     transport.raise_if_failed()
@@ -946,6 +949,72 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
 @pytest.mark.parametrize("bulk, quantized_rows_by", [("sm", "sm"), ("copy_engine", "sm"), ("copy_engine", "copy_engine")])
 def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk, quantized_rows_by):
     mp.spawn(_graph_worker, args=(2, free_port(), bulk, quantized_rows_by), nprocs=2, join=True)
+
+
+def _overflow_worker(rank, world, port):
+    """A captured dispatch + combine with num_worst_tokens = T, replayed once with every token on rank 0's experts
+    (rank 0 receives world * T rows): rank 0 raises the count and sums nothing (its y has T rows: nothing is read
+    past them), and rank 1, whose tokens past rank 0's T rows did not come back, raises too."""
+    dev = _init_nccl(rank, world, port)
+    T, H, E, K = 128, 2048, 16, 2
+    num_local = E // world
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
+                                       timeout_s=20, bulk="sm")
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    w = torch.rand(T, K, generator=g).to(dev)
+    topk = torch.empty(T, K, dtype=torch.int64, device=dev)
+    in_rank = torch.empty(T, world, dtype=torch.bool, device=dev)
+
+    def route_to(target):
+        local = torch.stack([torch.arange(T) % num_local, (torch.arange(T) + 1) % num_local], 1)
+        topk.copy_(target * num_local + local)
+        in_rank.zero_()
+        in_rank[:, target] = True
+
+    def step():
+        rx, _, _, rw, _, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=T)
+        y = (rx.float() * (rank + 1)).to(torch.bfloat16)
+        return transport.combine(y, rw, layout)[0]
+
+    route_to(rank)  # each rank's tokens stay home: T rows received
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    transport.raise_if_failed()
+    assert torch.equal(out, expected_combine(x, in_rank))
+    dist.barrier(device_ids=[rank])
+    route_to(0)
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+    graph.replay()
+    torch.cuda.synchronize()  # no fault
+    if rank == 0:
+        with pytest.raises(ValueError, match=f"rank 0 receives {world * T} tokens, more than num_worst_tokens={T}"):
+            transport.raise_if_failed()
+        assert out.isnan().all()  # summed nothing
+    else:
+        with pytest.raises(ValueError, match=f"rank 0 received more tokens than its num_worst_tokens, so rank {rank}'s"):
+            transport.raise_if_failed()
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_a_replay_whose_receive_passes_num_worst_tokens_raises_on_every_rank():
+    mp.spawn(_overflow_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _buffer_graph_worker(rank, world, port):

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Next session (2 H200): a review's gap (session 27): with num_worst_tokens too small for a graph replay's real
-# receive (status code 4, an error the host raises), the combine kernel read rows of y past the caller's rows.
-# session28_overflow_clamp.patch: the push loop clamps each source's rows to y's, and a rank whose receive overflowed
-# sums nothing (one scalar per kernel; ptxas on the CPU: no spills, 126 registers with weights at 8 tokens a step
-# against 101). Main against the patch, alternating, then (patch applied) every nvlink GPU test. To write with it
-# (next session): a GPU test that replays a graph whose receive overflows and checks the ValueError and no fault.
+# Session 28 (2 H200): a review's gap (session 27): with num_worst_tokens too small for a graph replay's real
+# receive (status code 4, an error the host raises), the combine kernel read rows of y past the caller's rows, and the
+# ranks whose tokens lay past them summed stale rows without an error. session28_overflow_clamp.patch: the push loop
+# clamps each source's rows to y's, a rank whose receive overflowed sums nothing and sets a word (SHORT_SLOT) on each
+# source of a row past y's, whose combine records status 10 (a ValueError naming the overflowing rank); ptxas on the
+# CPU: no spills, 127/126 registers at 8 tokens a step (against 101 with weights). Main against the patch,
+# alternating, then (patch applied) every nvlink GPU test, among them the new overflow replay test.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

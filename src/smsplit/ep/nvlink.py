@@ -55,8 +55,8 @@ from .transport import EPError, EPTimeoutError, check_combine_weights
 
 SCALE_BLOCK = 128
 ALIGN = 256
-# what a timed-out wait was waiting for, by the code the kernels write into the status word (4: not a wait, the
-# receive size passed num_worst_tokens)
+# what a timed-out wait was waiting for, by the code the kernels write into the status word (4 and 10: not waits:
+# this rank's receive size passed num_worst_tokens, a peer's did so that this rank's combine misses rows)
 WAITS = {1: "notify: waiting for rank {peer}'s token counts",
          2: "dispatch: waiting for rank {peer}'s rows",
          3: "combine: waiting for rank {peer}'s rows",
@@ -86,10 +86,13 @@ COPIES_WORD = tl.constexpr(8)
 # slot X_FREE_SLOT (bulk="copy_engine") word [s] 1 once rank s has started a dispatch that copies (not one whose
 # kernel pushes every row): this rank's reset stream waits for 1 before its copy stream's dispatch copies into s's
 # receive area, and stores 0 beside them
+# slot SHORT_SLOT word [s] set (for good: the status it leads to is final) by rank s's combine when rank s received more
+# rows than its num_worst_tokens, so that some of this rank's tokens went back uncombined
 SUMMED_SLOT = tl.constexpr(3)
 FREE_SLOT = tl.constexpr(4)
 STARTED_SLOT = tl.constexpr(5)
 X_FREE_SLOT = tl.constexpr(6)
+SHORT_SLOT = tl.constexpr(7)
 WEIGHTS_BLOCK = tl.constexpr(2048)  # combine: the fp32 top-k weights a program pushes per step
 WEIGHTS_TOKENS = tl.constexpr(64)  # combine: the tokens whose weights a program sums per step
 
@@ -675,9 +678,9 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
 
 # --- combine -----------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
+@triton.jit(do_not_specialize=["trace_tag", "y_rows"])  # a new tag id or receive size must not recompile
 def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr, own_buf,
-                   chunk_ends_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens,
+                   chunk_ends_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, y_rows,
                    off_cx, off_cw, off_chunk_ends, sig_off, off_copied, timeout_ns,
                    VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WAIT_COPIES: tl.constexpr,
@@ -717,6 +720,9 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     cols = tl.arange(0, RP)
     cc = tl.arange(0, CP)
     self_start = tl.load(layout_ptr + R + rank)
+    # a receive that overflowed num_worst_tokens (status 4, which this rank's host raises) has rows past y's: none is
+    # read past y_rows, this rank sums nothing, and each source of a row past y's is told (SHORT_SLOT, status 10)
+    t_sum = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, 0, T)
     if WAIT_COPIES:
         if pid == 0:  # each source learns where the chunks of the rows it gets back end
             for d in range(R):
@@ -727,9 +733,11 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     # all its rows as one flat range (a source's rows are contiguous in y and in its combine slots)
     for d in range(R):
         if d != rank:
-            start = tl.load(layout_ptr + R + d)
-            end = tl.load(layout_ptr + R + d + 1)  # (word 2R is the total: the last source's end)
+            start = tl.minimum(tl.load(layout_ptr + R + d), y_rows)
+            end = tl.minimum(tl.load(layout_ptr + R + d + 1), y_rows)  # (word 2R is the total: the last source's end)
             base = tl.load(bases_ptr + d)
+            if (pid == 0) & (tl.load(layout_ptr + R + d + 1) > y_rows):  # (seen by d after the signal below)
+                ptx.st_release_sys((base + sig_off + SHORT_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
             first_slot = rank * max_tokens - start
             for r0 in range(start + tl.load(chunk_ends_ptr + d * CHUNKS + CHUNKS - 1) + pid * TB, end, programs * TB):
                 r = r0 + tl.arange(0, TB)
@@ -763,13 +771,13 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     if HAS_WEIGHTS:  # all pushed before the barrier: summed first, in a pass of their own (while the copies land; in
         # the rows' loop they spilled registers)
-        for t0 in range(pid * WEIGHTS_TOKENS, T, programs * WEIGHTS_TOKENS):
+        for t0 in range(pid * WEIGHTS_TOKENS, t_sum, programs * WEIGHTS_TOKENS):
             t = t0 + tl.arange(0, WEIGHTS_TOKENS)
             pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :],
                           mask=(t < T)[:, None] & (cols[None, :] < R), other=-1)
             sum_returned_weights(t, t < T, pos, R, rank, self_start, yw_ptr, cw, max_tokens, out_w_ptr, K, KP, RP,
                                  WEIGHTS_TOKENS)
-    for t0 in range(pid * TB, T, programs * TB):
+    for t0 in range(pid * TB, t_sum, programs * TB):
         t = t0 + tl.arange(0, TB)
         if WAIT_COPIES:
             pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :], mask=(t < T)[:, None] & (cols[None, :] < R),
@@ -794,6 +802,13 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
             if (d != rank) & (_pick(landed, cols, d) < CHUNKS - 1):
                 _wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 9)
         tl.debug_barrier()
+    if pid == 0:
+        short = tl.load((own + sig_off + SHORT_SLOT * 64).to(tl.pointer_type(tl.int32)) + cols, mask=cols < R, other=0,
+                        volatile=True)
+        if tl.max(short, axis=0) > 0:  # a peer's receive overflowed: some of this rank's rows did not come back
+            if tl.load(status_ptr, volatile=True) == 0:
+                tl.store(status_ptr + 1, tl.argmax(short, axis=0))
+                tl.store(status_ptr, 10)
     _signal_all(bases_ptr, sig_off + SUMMED_SLOT * 64, rank, R)  # this program's reads of the combine area are done
     last = _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
     if WAIT_COPIES:
@@ -889,7 +904,7 @@ def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     row for every token of every source, bf16-sized) with scales, top-k, weights and source index, and the
     combine area (one slot per source rank and position of a token among those sent there)."""
     rows = R * M
-    return {"signals": (X_FREE_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
+    return {"signals": (SHORT_SLOT.value + 1) * 64, "counts": R * R * 4, "copied": (1 + MAX_CHUNKS) * R * 4, "chunk_ends": R * MAX_CHUNKS * 4,
             "x": rows * H * 2, "scales": rows * (H // SCALE_BLOCK) * 4, "topk": rows * K * 8,
             "weights": rows * K * 4, "src": rows * 4,
             "cx": R * M * H * 2, "cw": R * M * K * 4}
@@ -1059,6 +1074,9 @@ class NvlinkTransport:
         if phase == 4:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
                              f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
+        if phase == 10:
+            raise ValueError(f"num_worst_tokens: rank {peer} received more tokens than its num_worst_tokens, so rank "
+                             f"{self.rank}'s combine misses the rows past it (rank {peer} raises the count)")
         what = WAITS.get(phase, "wait {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
         raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 
@@ -1451,7 +1469,8 @@ class NvlinkTransport:
             y.view(torch.uint8).view(torch.int32),
             y_weights if y_weights is not None else out, layout.layout, layout.sent_pos, self.bases,
             self.state, self._status_addr(), self.buffer, chunk_ends, out, out_w if out_w is not None else out, T, H, K, R,
-            self.rank, self.max_tokens, self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"],
+            self.rank, self.max_tokens, layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"],
+            self.offsets["chunk_ends"],
             self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
             VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=self.combine_tokens_per_step,
             HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
