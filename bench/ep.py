@@ -26,6 +26,7 @@ Writes bench/results/ep.json.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -372,6 +373,8 @@ def worker(rank, world, port, args, queue):
                      "all_queued_before_start": all(r["window"]["queued_before_start"] for r in rounds),
                      "samples": [len(g_in), len(c_in)],
                      "rounds": [{k: v for k, v in r.items() if k != "_samples"} for r in rounds]}
+            if args.soak_gemms:
+                entry["soak"] = soak(budget, lambda: torch.matmul(a, b), comm, args.soak_gemms, entry, dev)
             conc.append(entry)
             if rank == 0:
                 print(f"{name} concurrent (comm {budget.comm_sms} SMs, {len(rounds)} rounds): GEMM full "
@@ -380,10 +383,48 @@ def worker(rank, world, port, args, queue):
                       f"(rounds {', '.join(f'{x * 100:+.1f}' for x in slowdowns)}); fp8 dispatch+combine alone "
                       f"{entry['comm_alone_ms'] * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms'] * 1e3:.1f} us; "
                       f"all queued before start: {entry['all_queued_before_start']}", flush=True)
+                if "soak" in entry:
+                    k = entry["soak"]
+                    print(f"{name} soak ({args.soak_gemms} GEMMs, {k['comm_calls_per_gemm']} comm calls per GEMM): "
+                          f"GEMM alone {k['alone']['gemm_ms']:.3f} ms ({k['alone']['start']} - {k['alone']['end']}), "
+                          f"with comm {k['with_comm']['gemm_ms']:.3f} ms ({k['with_comm']['start']} - "
+                          f"{k['with_comm']['end']}); slowdown {k['slowdown'] * 100:+.1f}%; host ms per comm call "
+                          f"{entry['comm_host_ms']:.2f}", flush=True)
     res["concurrent"] = conc
     if "nvlink_copy_engine" in transports:  # whether the copies went in one cuMemcpyBatchAsync per call
         res["nvlink_copy_engine_batched"] = transports["nvlink_copy_engine"].ops.batched
     end_worker(rank, queue, res)
+
+
+def soak(budget, gemm, comm, n: int, entry: dict, dev) -> dict:
+    """The GEMM on the compute budget ``n`` times in a row, alone and then with ``comm`` calls queued beside each
+    GEMM on the comm stream (enough to outlast it, the same count on every rank): the median GEMM time over the
+    middle half of each loop, from per-GEMM events (no host gap counted). Each loop runs for seconds, so a sampler
+    of clocks and power (nvidia-smi) can tell them apart by the wall-clock windows returned."""
+
+    from datetime import datetime
+
+    per_gemm = int(max_over_ranks(math.ceil(1.3 * entry["gemm_alone_on_budget_ms"] / entry["comm_alone_ms"]), dev))
+    out = {"gemms": n, "comm_calls_per_gemm": per_gemm}
+    for label, calls in (("alone", 0), ("with_comm", per_gemm)):
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[dev.index])
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        start = datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        for e0, e1 in marks:
+            e0.record(budget.compute_stream)
+            with torch.cuda.stream(budget.compute_stream):
+                gemm()
+            e1.record(budget.compute_stream)
+            with torch.cuda.stream(budget.comm_stream):
+                for _ in range(calls):
+                    comm()
+        torch.cuda.synchronize()
+        times = [e0.elapsed_time(e1) for e0, e1 in marks[n // 4: 3 * n // 4]]  # (per GEMM: no host gap counted)
+        out[label] = {"gemm_ms": max_over_ranks(statistics.median(times), dev),
+                      "start": start, "end": datetime.now().strftime("%H:%M:%S.%f")[:-3]}
+    out["slowdown"] = out["with_comm"]["gemm_ms"] / out["alone"]["gemm_ms"] - 1
+    return out
 
 
 def main():
@@ -393,6 +434,9 @@ def main():
     parser.add_argument("--concurrent-sms", type=int, nargs="*", default=[20])
     parser.add_argument("--concurrent-rounds", type=int, default=4,
                         help="rounds of GEMM alone, comm alone and both (odd rounds in reverse order)")
+    parser.add_argument("--soak-gemms", type=int, default=0,
+                        help="also run the concurrent GEMM this many times in a row, alone and with comm calls beside it "
+                             "(seconds each: for a clock and power sampler), after the rounds")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
