@@ -374,7 +374,8 @@ def worker(rank, world, port, args, queue):
                      "samples": [len(g_in), len(c_in)],
                      "rounds": [{k: v for k, v in r.items() if k != "_samples"} for r in rounds]}
             if args.soak_gemms:
-                entry["soak"] = soak(budget, lambda: torch.matmul(a, b), comm, args.soak_gemms, entry, dev)
+                entry["soak"] = soak(budget, lambda: torch.matmul(a, b), comm, args.soak_gemms, entry, dev,
+                                     tr.raise_if_failed, capture=name != "copy_engine")  # (its calls are not captured)
             conc.append(entry)
             if rank == 0:
                 print(f"{name} concurrent (comm {budget.comm_sms} SMs, {len(rounds)} rounds): GEMM full "
@@ -385,45 +386,78 @@ def worker(rank, world, port, args, queue):
                       f"all queued before start: {entry['all_queued_before_start']}", flush=True)
                 if "soak" in entry:
                     k = entry["soak"]
-                    print(f"{name} soak ({args.soak_gemms} GEMMs, {k['comm_calls_per_gemm']} comm calls per GEMM): "
-                          f"GEMM alone {k['alone']['gemm_ms']:.3f} ms ({k['alone']['start']} - {k['alone']['end']}), "
-                          f"with comm {k['with_comm']['gemm_ms']:.3f} ms ({k['with_comm']['start']} - "
-                          f"{k['with_comm']['end']}); slowdown {k['slowdown'] * 100:+.1f}%; host ms per comm call "
-                          f"{entry['comm_host_ms']:.2f}", flush=True)
+                    windows = ", ".join(f"{key} {k[key]['gemm_ms']:.3f} ms, GEMM stream busy "
+                                        f"{k[key]['gemm_stream_busy'] * 100:.0f}% ({k[key]['start']} - {k[key]['end']})"
+                                        for key in ("alone", "with_comm", "alone_after"))
+                    print(f"{name} soak ({args.soak_gemms} GEMMs, {k['comm_calls_per_gemm']} comm calls per GEMM, "
+                          f"{'graph replays' if k['comm_graph'] else 'eager calls'}): {windows}; comm stream busy "
+                          f"{k['with_comm']['comm_stream_busy'] * 100:.0f}%; slowdown {k['slowdown'] * 100:+.1f}%",
+                          flush=True)
     res["concurrent"] = conc
     if "nvlink_copy_engine" in transports:  # whether the copies went in one cuMemcpyBatchAsync per call
         res["nvlink_copy_engine_batched"] = transports["nvlink_copy_engine"].ops.batched
     end_worker(rank, queue, res)
 
 
-def soak(budget, gemm, comm, n: int, entry: dict, dev) -> dict:
-    """The GEMM on the compute budget ``n`` times in a row, alone and then with ``comm`` calls queued beside each
-    GEMM on the comm stream (enough to outlast it, the same count on every rank): the median GEMM time over the
-    middle half of each loop, from per-GEMM events (no host gap counted). Each loop runs for seconds, so a sampler
-    of clocks and power (nvidia-smi) can tell them apart by the wall-clock windows returned."""
+def soak(budget, gemm, comm, n: int, entry: dict, dev, check, capture: bool) -> dict:
+    """The GEMM on the compute budget ``n`` times in a row: alone, then with comm calls queued beside each GEMM on
+    the comm stream (enough to outlast it, the same count on every rank), then alone again (so that a drift in
+    temperature counts against neither side). The comm is one call captured in a CUDA graph from the comm stream
+    (its kernels keep the comm SMs) and replayed, so that the host's time per call does not thin it out (``capture``
+    False, or a capture that fails: eager calls). Per loop: the median GEMM time over the middle half from per-GEMM
+    events, how busy the GEMM stream was over that half, and the wall-clock window of the GEMMs (for a clock and
+    power sampler, nvidia-smi); with comm also how busy the comm stream was over its loop. ``check()`` raises a failed wait."""
+    from datetime import datetime, timedelta
 
-    from datetime import datetime
-
-    per_gemm = int(max_over_ranks(math.ceil(1.3 * entry["gemm_alone_on_budget_ms"] / entry["comm_alone_ms"]), dev))
-    out = {"gemms": n, "comm_calls_per_gemm": per_gemm}
-    for label, calls in (("alone", 0), ("with_comm", per_gemm)):
+    graph, replay = None, comm
+    try:
+        if not capture:
+            raise RuntimeError("not capturable")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=budget.comm_stream):
+            comm()
+        torch.cuda.synchronize()
+        check()
+        replay = graph.replay
+    except Exception as error:  # (reported: the loop then runs eager calls)
+        print(f"soak: comm not captured ({type(error).__name__}: {error}); eager calls", flush=True)
+        torch.cuda.synchronize()
+        graph, replay = None, comm
+    comm_ms = entry["comm_concurrent_ms"] or entry["comm_alone_ms"]
+    per_gemm = int(max_over_ranks(math.ceil(1.3 * entry["gemm_alone_on_budget_ms"] / comm_ms), dev))
+    out = {"gemms": n, "comm_calls_per_gemm": per_gemm, "comm_graph": graph is not None}
+    for label, calls in (("alone", 0), ("with_comm", per_gemm), ("alone_after", 0)):
         torch.cuda.synchronize()
         dist.barrier(device_ids=[dev.index])
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        start = datetime.now().strftime("%H:%M:%S.%f")[:-3]
-        for e0, e1 in marks:
-            e0.record(budget.compute_stream)
+        gemms = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        comms = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        start = datetime.now()
+        for (g0, g1), (c0, c1) in zip(gemms, comms):
+            g0.record(budget.compute_stream)
             with torch.cuda.stream(budget.compute_stream):
                 gemm()
-            e1.record(budget.compute_stream)
-            with torch.cuda.stream(budget.comm_stream):
-                for _ in range(calls):
-                    comm()
+            g1.record(budget.compute_stream)
+            if calls:
+                c0.record(budget.comm_stream)
+                with torch.cuda.stream(budget.comm_stream):
+                    for _ in range(calls):
+                        replay()
+                c1.record(budget.comm_stream)
         torch.cuda.synchronize()
-        times = [e0.elapsed_time(e1) for e0, e1 in marks[n // 4: 3 * n // 4]]  # (per GEMM: no host gap counted)
-        out[label] = {"gemm_ms": max_over_ranks(statistics.median(times), dev),
-                      "start": start, "end": datetime.now().strftime("%H:%M:%S.%f")[:-3]}
-    out["slowdown"] = out["with_comm"]["gemm_ms"] / out["alone"]["gemm_ms"] - 1
+        check()
+        mid = gemms[n // 4: 3 * n // 4]
+        times = [e0.elapsed_time(e1) for e0, e1 in mid]
+        span = mid[0][0].elapsed_time(mid[-1][1])
+        end = start + timedelta(milliseconds=gemms[0][0].elapsed_time(gemms[-1][1]))
+        got = {"gemm_ms": max_over_ranks(statistics.median(times), dev),
+               "gemm_stream_busy": min(sum(times) / span, 1.0), "start": start.strftime("%H:%M:%S.%f")[:-3],
+               "end": end.strftime("%H:%M:%S.%f")[:-3]}
+        if calls:
+            busy = sum(c0.elapsed_time(c1) for c0, c1 in comms) / comms[0][0].elapsed_time(comms[-1][1])
+            got["comm_stream_busy"] = min(busy, 1.0)
+        out[label] = got
+    alone = statistics.mean([out["alone"]["gemm_ms"], out["alone_after"]["gemm_ms"]])
+    out["slowdown"] = out["with_comm"]["gemm_ms"] / alone - 1
     return out
 
 
@@ -471,6 +505,8 @@ def main():
                         help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
+    if 0 < args.soak_gemms < 8:
+        parser.error("--soak-gemms: 0 (no soak) or at least 8 (the middle half is timed)")
     res = run_ranks(worker, args.world, args)
     H = args.hidden
     for row in res["rows"]:

@@ -421,7 +421,8 @@ def _pooled_streams_worker(rank, world, port):
     copies, queued behind it there, until its timeout."""
     dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 13, "copy_engine")
     pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}
-    assert len(pooled) < 70 and transport.copy_stream.cuda_stream not in pooled  # pooled: handed out again
+    assert len(pooled) < 70  # pooled: handed out again
+    assert transport.copy_stream.cuda_stream not in pooled and transport.reset_stream.cuda_stream not in pooled
     *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
@@ -951,13 +952,16 @@ def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk, quantized_rows_by)
     mp.spawn(_graph_worker, args=(2, free_port(), bulk, quantized_rows_by), nprocs=2, join=True)
 
 
-def _overflow_worker(rank, world, port):
-    """A captured dispatch + combine with num_worst_tokens = T, replayed once with every token on rank 0's experts
-    (rank 0 receives world * T rows): rank 0 raises the count and sums nothing (its y has T rows: nothing is read
-    past them), and rank 1, whose tokens past rank 0's T rows did not come back, raises too."""
+def _overflow_worker(rank, world, port, peer_sends):
+    """A captured dispatch + combine with num_worst_tokens, replayed once with rank 0's receive past it: rank 0 raises
+    the count and sums nothing (its y has num_worst_tokens rows: nothing is read past them). peer_sends: every token
+    on rank 0's experts (rank 0 receives world * T rows, num_worst_tokens = T), so rank 1's tokens past rank 0's T
+    rows did not come back and rank 1 raises too; else num_worst_tokens = T / 2, rank 0's own T tokens stay home and
+    rank 1 drops all of its (top-k -1): rank 1 lost nothing and raises nothing."""
     dev = _init_nccl(rank, world, port)
     T, H, E, K = 128, 2048, 16, 2
     num_local = E // world
+    worst = T if peer_sends else T // 2
     transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
                                        timeout_s=20, bulk="sm")
     g = torch.Generator(device="cpu").manual_seed(rank)
@@ -966,18 +970,18 @@ def _overflow_worker(rank, world, port):
     topk = torch.empty(T, K, dtype=torch.int64, device=dev)
     in_rank = torch.empty(T, world, dtype=torch.bool, device=dev)
 
-    def route_to(target):
+    def route(target, n):  # tokens 0 .. n-1 to two experts of rank target, the rest dropped
         local = torch.stack([torch.arange(T) % num_local, (torch.arange(T) + 1) % num_local], 1)
-        topk.copy_(target * num_local + local)
+        topk.copy_(torch.where(torch.arange(T)[:, None] < n, target * num_local + local, -1))
         in_rank.zero_()
-        in_rank[:, target] = True
+        in_rank[:n, target] = True
 
     def step():
-        rx, _, _, rw, _, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=T)
+        rx, _, _, rw, _, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)
         return transport.combine(y, rw, layout)[0]
 
-    route_to(rank)  # each rank's tokens stay home: T rows received
+    route(rank, worst)  # each rank's tokens stay home: num_worst_tokens rows received
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -994,27 +998,35 @@ def _overflow_worker(rank, world, port):
     transport.raise_if_failed()
     assert torch.equal(out, expected_combine(x, in_rank))
     dist.barrier(device_ids=[rank])
-    route_to(0)
+    if peer_sends:
+        route(0, T)
+    else:
+        route(rank, T if rank == 0 else 0)
     out.fill_(float("nan"))
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
     graph.replay()
     torch.cuda.synchronize()  # no fault
+    received = world * T if peer_sends else T
     if rank == 0:
-        with pytest.raises(ValueError, match=f"rank 0 receives {world * T} tokens, more than num_worst_tokens={T}"):
+        with pytest.raises(ValueError, match=f"rank 0 receives {received} tokens, more than num_worst_tokens={worst}"):
             transport.raise_if_failed()
         assert out.isnan().all()  # summed nothing
-    else:
+    elif peer_sends:
         with pytest.raises(ValueError, match=f"rank 0 received more tokens than its num_worst_tokens, so rank {rank}'s"):
             transport.raise_if_failed()
+    else:
+        transport.raise_if_failed()
+        assert torch.equal(out, torch.zeros_like(out))  # every token dropped
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_a_replay_whose_receive_passes_num_worst_tokens_raises_on_every_rank():
-    mp.spawn(_overflow_worker, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("peer_sends", [True, False])
+def test_a_replay_whose_receive_passes_num_worst_tokens_raises_where_rows_are_lost(peer_sends):
+    mp.spawn(_overflow_worker, args=(2, free_port(), peer_sends), nprocs=2, join=True)
 
 
 def _buffer_graph_worker(rank, world, port):

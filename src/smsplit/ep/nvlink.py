@@ -28,7 +28,7 @@ word and lets the kernel finish; the host raises ``EPTimeoutError`` naming rank,
 Received tensors are views into the buffer, valid until this rank's next dispatch: a dispatch writes into a
 peer's receive area only once that peer has started the same dispatch, so whatever the peer queued on its stream
 before it (reads of the previous results) is done. An uncached dispatch knows it from the count exchange; a cached
-one waits for each peer's start signal (STARTED_SLOT), and its copy stream for each peer's X_FREE_SLOT word. So
+one waits for each peer's start signal (STARTED_SLOT), and its copies for each peer's X_FREE_SLOT word. So
 dispatches may follow each other with no host synchronization (in a CUDA graph). `smsplit.ep.Buffer` copies the
 results out. A dispatch bumps the buffer's autograd version, so a backward that saved a view raises instead of
 reading overwritten data.
@@ -130,14 +130,16 @@ def _failed_before(state_ptr):
     """Whether a wait of an earlier kernel of this rank timed out (its FAIL_WORD, stable while this kernel runs:
     the earlier kernels on the stream have ended). Such a kernel moves nothing and signals no peer: a kernel that
     skipped its waits but still signalled would put the peers' counters, and the copy streams' FREE words, out of
-    step with their own calls (a copy stream's wait for a word has no bound), see `smsplit.ep.Buffer`."""
+    step with their own calls (a reset stream's wait for a word, which the copy stream waits for, has no bound), see
+    `smsplit.ep.Buffer`."""
     return tl.load(state_ptr + FAIL_WORD, volatile=True) != 0
 
 
 @triton.jit
 def _free_copy_stream(words, R):
     """Set this rank's R words at ``words`` (its FREE_SLOT or X_FREE_SLOT, one per peer) to 1 on an error path: its
-    copy stream waits for them unbounded (cuStreamWaitValue32), so a kernel that gives up frees it, never a hang."""
+    reset stream waits for them unbounded (cuStreamWaitValue32), and its copy stream for that, so a kernel that gives
+    up frees both, never a hang."""
     for d in range(R):
         ptx.st_release_sys(words.to(tl.pointer_type(tl.int32)) + d, 1)
 
@@ -736,7 +738,8 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
             start = tl.minimum(tl.load(layout_ptr + R + d), y_rows)
             end = tl.minimum(tl.load(layout_ptr + R + d + 1), y_rows)  # (word 2R is the total: the last source's end)
             base = tl.load(bases_ptr + d)
-            if (pid == 0) & (tl.load(layout_ptr + R + d + 1) > y_rows):  # (seen by d after the signal below)
+            # d has rows past y's (seen by d after the signal below)
+            if (pid == 0) & (tl.load(layout_ptr + R + d + 1) > tl.maximum(tl.load(layout_ptr + R + d), y_rows)):
                 ptx.st_release_sys((base + sig_off + SHORT_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
             first_slot = rank * max_tokens - start
             for r0 in range(start + tl.load(chunk_ends_ptr + d * CHUNKS + CHUNKS - 1) + pid * TB, end, programs * TB):
