@@ -954,7 +954,9 @@ def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk, quantized_rows_by)
 
 def _overflow_worker(rank, world, port, peer_sends):
     """A captured dispatch + combine with num_worst_tokens, replayed once with rank 0's receive past it: rank 0 raises
-    the count and sums nothing (its y has num_worst_tokens rows: nothing is read past them). peer_sends: every token
+    the count, with no fault (its y has num_worst_tokens rows: nothing is read past them; that it sums nothing cannot
+    be seen here: its output's memory may be a temporary of the graph's that the replay writes before the combine,
+    which made the first version of this test fail on the GPU). peer_sends: every token
     on rank 0's experts (rank 0 receives world * T rows, num_worst_tokens = T), so rank 1's tokens past rank 0's T
     rows did not come back and rank 1 raises too; else num_worst_tokens = T / 2, rank 0's own T tokens stay home and
     rank 1 drops all of its (top-k -1): rank 1 lost nothing and raises nothing."""
@@ -1002,7 +1004,7 @@ def _overflow_worker(rank, world, port, peer_sends):
         route(0, T)
     else:
         route(rank, T if rank == 0 else 0)
-    out.fill_(float("nan"))
+    out.fill_(float("nan"))  # (rank 1 without peer_sends: every token dropped, all rows must be written, zeros)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
     graph.replay()
@@ -1011,7 +1013,6 @@ def _overflow_worker(rank, world, port, peer_sends):
     if rank == 0:
         with pytest.raises(ValueError, match=f"rank 0 receives {received} tokens, more than num_worst_tokens={worst}"):
             transport.raise_if_failed()
-        assert out.isnan().all()  # summed nothing
     elif peer_sends:
         with pytest.raises(ValueError, match=f"rank 0 received more tokens than its num_worst_tokens, so rank {rank}'s"):
             transport.raise_if_failed()
