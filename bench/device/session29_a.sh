@@ -9,7 +9,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 patch -p1 --forward < bench/device/session29_bulk_peer_rows.patch > "$OUT/patch_session29_a.log" 2>&1 || { echo "patch failed"; cat "$OUT/patch_session29_a.log"; exit 1; }
-timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_nvlink.py -k "bulk_copies or compile" \
+timeout -s KILL 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_nvlink.py tests/test_ptx.py -k "bulk_copies or compile or replay_in_a_cuda_graph" \
   > "$OUT/pytest_bulk_peer_rows_session29.log" 2>&1
 echo "pytest rc $?"; tail -3 "$OUT/pytest_bulk_peer_rows_session29.log"
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1
