@@ -14,10 +14,6 @@ Measured (session 13, `bench/results/combine_red_session13.log`, 20 programs, 16
 in explicit 16-byte vectors 92.9, own rows first 82.6 then the L2 reduction 86.0: the reduction is no cheaper than
 the whole sum. (The vector sum made the combines slower in the transports: BENCHMARKS.md §2, session 13.)
 
-Also (session 28, ``--pipelined``, not yet run): the same sum with plain loads in a ``tl.range(..., num_stages=S)``
-loop, which Triton turns into ``cp.async`` copies into shared memory S - 1 steps ahead (``sum_pipelined``): whether
-more bytes in flight make the sum, and so the combine's tail after its last chunk lands, faster.
-
     PYTHONPATH=src python3 bench/combine_red.py --programs 20 24
 Writes bench/results/combine_red.json.
 """
@@ -92,23 +88,6 @@ def combine_sum_kernel(pos_ptr, own_ptr, peer_ptr, out_ptr, T, H, TB: tl.constex
 
 
 @triton.jit
-def sum_pipelined_kernel(pos_ptr, own_ptr, peer_ptr, out_ptr, T, H, TB: tl.constexpr, HW: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """The sum with plain loads in a software-pipelined loop (Triton: ``cp.async`` into shared memory, STAGES - 1
-    steps ahead), int32 words of bf16 pairs."""
-    w = tl.arange(0, HW)[None, :]
-    wm = w < H // 2
-    for t0 in tl.range(tl.program_id(0) * TB, T, tl.num_programs(0) * TB, num_stages=STAGES):
-        t = t0 + tl.arange(0, TB)
-        ok = t < T
-        p_own = tl.load(pos_ptr + t * 2, mask=ok, other=-1).to(tl.int64)[:, None]
-        p_peer = tl.load(pos_ptr + t * 2 + 1, mask=ok, other=-1).to(tl.int64)[:, None]
-        a = tl.load(own_ptr + p_own * (H // 2) + w, mask=(p_own >= 0) & wm, other=0)
-        b = tl.load(peer_ptr + p_peer * (H // 2) + w, mask=(p_peer >= 0) & wm, other=0)
-        tl.store(out_ptr + t.to(tl.int64)[:, None] * (H // 2) + w, ptx.bf16x2_add_as_fp32(a, b), mask=ok[:, None] & wm)
-
-
-@triton.jit
 def pre_kernel(pos_ptr, own_ptr, out_ptr, T, H, TB: tl.constexpr, VEC: tl.constexpr):
     """out = +0 + own (zeros where the token has no own row): before the peer's rows land."""
     v = tl.arange(0, VEC)[None, :]
@@ -138,9 +117,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--programs", type=int, nargs="+", default=[20, 24])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--pipelined", action="store_true",
-                        help="only the software-pipelined sum (tokens per step x stages: 1 x 2-4, 2 x 2-3, 4 x 2), "
-                             "against the 16-byte vector sum at 4 tokens a step")
     args = parser.parse_args()
     dev = torch.device("cuda", 0)
     T, H = 4096, 7168
@@ -160,27 +136,6 @@ def main():
     VEC = triton.next_power_of_2(H // 8)
     row_bytes = T * H * 2
     rows = []
-    if args.pipelined:
-        for P in args.programs:
-            for TB, stages in ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 2), (2, 1)):
-                runs = {"vector": lambda: sum_kernel[(P,)](pos, ow, pw, outw, T, H, TB=4, VEC=VEC, num_warps=16),
-                        "pipelined": lambda: sum_pipelined_kernel[(P,)](pos, ow, pw, outw, T, H, TB=TB,
-                                                                        HW=triton.next_power_of_2(H // 2),
-                                                                        STAGES=stages, num_warps=16)}
-                out.view(torch.int16).fill_(-1)
-                runs["pipelined"]()
-                torch.cuda.synchronize()
-                equal = bool(torch.equal(out.view(torch.int16), ref.view(torch.int16)))
-                times = {name: time_ms(fn, warmup=3, repeat=args.reps, inner=5)["median_ms"] * 1e3
-                         for name, fn in runs.items()}
-                rows.append(dict(programs=P, TB=TB, stages=stages, pipelined_equal=equal,
-                                 **{f"{k}_us": v for k, v in times.items()}))
-                print(f"P={P:3d} pipelined TB={TB} stages={stages}: {times['pipelined']:6.1f} us "
-                      f"({3 * row_bytes / times['pipelined'] / 1e3:5.0f} GB/s), vector sum (TB 4) "
-                      f"{times['vector']:6.1f} us; equal {equal}", flush=True)
-        path = write_result("combine_red_pipelined", {"env": environment(), "args": vars(args), "rows": rows})
-        print(f"wrote {path}")
-        return
     for P in args.programs:
         for TB in (2, 4):
             for warps in (8, 16):
