@@ -173,6 +173,27 @@ def _init_nccl(rank, world, port):
     return dev
 
 
+def _warm_up(step):
+    """``step()`` once on a side stream, outside any capture (it compiles kernels, allocates buffers, plans copies),
+    then every stream synchronized; returns what it returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    return result
+
+
+def _capture(step, rank):
+    """Once every rank has got here, ``step()`` captured in a CUDA graph: ``(graph, what the captured step returned)``."""
+    dist.barrier(device_ids=[rank])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 def expected_dispatch(xs, topks, weights, in_ranks, rank, num_local):
     """Rows this rank receives, computed from every rank's inputs: by source rank, then token."""
     rows_x, rows_k, rows_w, rows_src = [], [], [], []
@@ -480,16 +501,8 @@ def _late_copies_worker(rank, world, port):
         with torch.cuda.stream(transport.copy_stream):
             torch.cuda._sleep(2_000_000)
         return transport.combine(y, None, layout)[0]
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(device_ids=[rank])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    _warm_up(step)
+    graph, out = _capture(step, rank)
     for round_, f in enumerate((-1.0, 2.0, 0.25)):
         y.copy_((rx[:n].float() * (rank + 1) * f).to(torch.bfloat16))
         out.fill_(float("nan"))
@@ -897,22 +910,14 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
         return rx, rk, rw, rsrc, layout, out, out_w, qx.clone(), qs.clone()
 
     fill(0)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        *_, warm_layout, _, _, _, _ = step()
+    *_, warm_layout, _, _, _, _ = _warm_up(step)
     if bulk == "copy_engine":
         cached = warm_layout
         planned = {"dispatch", "combine"} | ({"stage"} if quantized_rows_by == "copy_engine" else set())
         assert planned <= {key[0] for key in cached.splits}  # copy engines move rows
         split = cached.splits[("dispatch", 1.0)]
         assert split.copies and split.fill_from < T  # the rows go in one copy, and some holes are filled after it
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(device_ids=[rank])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rx, rk, rw, rsrc, layout, out, out_w, qx, qs = step()
+    graph, (rx, rk, rw, rsrc, layout, out, out_w, qx, qs) = _capture(step, rank)
     for round_ in range(1, 4):
         fill(round_)
         torch.cuda.synchronize()
@@ -984,16 +989,8 @@ def _overflow_worker(rank, world, port, peer_sends):
         return transport.combine(y, rw, layout)[0]
 
     route(rank, worst)  # each rank's tokens stay home: num_worst_tokens rows received
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(device_ids=[rank])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    _warm_up(step)
+    graph, out = _capture(step, rank)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -1063,16 +1060,8 @@ def _buffer_graph_worker(rank, world, port):
         return recv_x, recv_k, recv_w, per_expert_list, handle, out, out_w
 
     fill(0)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the eager call first: it allocates the symmetric buffer and compiles
-        step(fast)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(device_ids=[rank])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(fast)
+    _warm_up(lambda: step(fast))  # the eager call first: it allocates the symmetric buffer and compiles
+    graph, captured = _capture(lambda: step(fast), rank)
     for round_ in range(1, 4):
         fill(round_)
         torch.cuda.synchronize()
@@ -1134,16 +1123,8 @@ def _buffer_graph_cached_worker(rank, world, port):
         out, out_w, _ = buf.combine(y, handle, topk_weights=recv_w)
         return recv_x, q.view(torch.uint8), scales, out, out_w
 
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        step(fast, *handles["fast"])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(device_ids=[rank])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(fast, *handles["fast"])
+    _warm_up(lambda: step(fast, *handles["fast"]))
+    graph, captured = _capture(lambda: step(fast, *handles["fast"]), rank)
     for round_ in range(1, 4):
         x.copy_(torch.randn(T, H, generator=g))
         torch.cuda.synchronize()

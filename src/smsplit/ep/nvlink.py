@@ -735,11 +735,13 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     # all its rows as one flat range (a source's rows are contiguous in y and in its combine slots)
     for d in range(R):
         if d != rank:
-            start = tl.minimum(tl.load(layout_ptr + R + d), y_rows)
-            end = tl.minimum(tl.load(layout_ptr + R + d + 1), y_rows)  # (word 2R is the total: the last source's end)
+            received_from = tl.load(layout_ptr + R + d)
+            received_to = tl.load(layout_ptr + R + d + 1)  # (word 2R is the total: the last source's end)
+            start = tl.minimum(received_from, y_rows)
+            end = tl.minimum(received_to, y_rows)
             base = tl.load(bases_ptr + d)
             # d has rows past y's (seen by d after the signal below)
-            if (pid == 0) & (tl.load(layout_ptr + R + d + 1) > tl.maximum(tl.load(layout_ptr + R + d), y_rows)):
+            if (pid == 0) & (received_to > tl.maximum(received_from, y_rows)):
                 ptx.st_release_sys((base + sig_off + SHORT_SLOT * 64).to(tl.pointer_type(tl.int32)) + rank, 1)
             first_slot = rank * max_tokens - start
             for r0 in range(start + tl.load(chunk_ends_ptr + d * CHUNKS + CHUNKS - 1) + pid * TB, end, programs * TB):
