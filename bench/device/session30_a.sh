@@ -6,6 +6,9 @@
 # bytes it copies (`ptx.bulk_stage_copy_warp`; no copy-only intrinsic), checks its valid lanes' addresses are
 # consecutive too, and a kernel with several copies per chunk (own rows too, or more than 2 ranks) keeps one CTA
 # barrier per chunk; with 2 ranks and peer rows only there is none. The own-rows case had passed against the oracle.
+# A review then: the host refuses bulk_warp where two warps would hold the same elements (TB x QG x 8 not a multiple
+# of the threads) and more than 5 buffers; the one-GPU test now counts which path each copy took (lane 0 of a warp /
+# a lane on its own: reversed addresses force the latter) and the compile test asserts the lanes' layout.
 # Tests first (rows against the oracle, one-GPU copies), then ep.py at 20 / 24 / 32 SMs, stores (0) against per-warp
 # bulk copies (1).
 set -u
