@@ -16,18 +16,14 @@ def _where_when(out):
 
 
 @triton.jit
-def _copy_v4(src, dst, n_vec, BLOCK: tl.constexpr):
+def _copy_v4(src, dst, n_vec, BLOCK: tl.constexpr, L1: tl.constexpr):
+    """16-byte copy; L1: loads that keep their lines in L1 (`ptx.ld_global_nc_l1_v4`)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_vec
-    w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + 4 * offs, mask)
-    ptx.st_global_na_v4(dst + 4 * offs, w0, w1, w2, w3, mask)
-
-
-@triton.jit
-def _copy_v4_l1(src, dst, n_vec, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_vec
-    w0, w1, w2, w3 = ptx.ld_global_nc_l1_v4(src + 4 * offs, mask)
+    if L1:
+        w0, w1, w2, w3 = ptx.ld_global_nc_l1_v4(src + 4 * offs, mask)
+    else:
+        w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + 4 * offs, mask)
     ptx.st_global_na_v4(dst + 4 * offs, w0, w1, w2, w3, mask)
 
 
@@ -84,14 +80,10 @@ def _flags(flag, out):
 def compiled():
     return {
         "where_when": ptx.compile_for_sm90(_where_when, {"out": "*i64"}),
-        "copy_v4": ptx.compile_for_sm90(
-            _copy_v4, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
-            {"BLOCK": 256},
-        ),
-        "copy_v4_l1": ptx.compile_for_sm90(
-            _copy_v4_l1, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
-            {"BLOCK": 256},
-        ),
+        **{name: ptx.compile_for_sm90(
+            _copy_v4, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr", "L1": "constexpr"},
+            {"BLOCK": 256, "L1": l1},
+        ) for name, l1 in (("copy_v4", False), ("copy_v4_l1", True))},
         "copy_v2": ptx.compile_for_sm90(
             _copy_v2, {"src": "*i32", "dst": "*i32", "n_vec": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 256},
