@@ -257,3 +257,9 @@ def test_quantized_rows_by_is_checked_before_any_launch():
     tr.quantized_rows_by, tr.e4m3_store_bytes = "sm", 12
     with pytest.raises(ValueError, match="e4m3_store_bytes must be 8 or 16"):
         tr.dispatch(x, None, None, None, torch.ones(4, 2, dtype=torch.bool), 4, quantize=True)
+    # staged FP8 rows keep their row numbers on each peer, which start at different offsets per peer: with more
+    # than 2 ranks two peers' rows would share staging rows (rank 0's rows start at 0 on every peer)
+    tr = transport(0, 4, max_tokens=10)
+    tr.hidden, tr.max_topk, tr.bulk, tr.quantized_rows_by = 256, 8, "copy_engine", "copy_engine"
+    with pytest.raises(ValueError, match="overlap in the staging area with more than 2 ranks"):
+        tr.dispatch(x, None, None, None, torch.ones(4, 4, dtype=torch.bool), 4, quantize=True)
