@@ -1334,12 +1334,12 @@ class NvlinkTransport:
             raise ValueError(f"e4m3_store_bytes must be 8 or 16, got {self.e4m3_store_bytes!r}")
         if self.quantized_rows_by not in BULK_MOVERS:
             raise ValueError(f"quantized_rows_by must be one of {BULK_MOVERS}, got {self.quantized_rows_by!r}")
-        if planned and quantize and self.quantized_rows_by == "copy_engine" and R > 2:
-            raise ValueError("quantized_rows_by='copy_engine' stages each peer's rows at their row numbers there, "
-                             f"which overlap in the staging area with more than 2 ranks (here {R}); use 'sm'")
         pushed = planned and quantize and self.quantized_rows_by == "sm"  # FP8 made here, pushed by the kernel
         copies = planned and not pushed  # copy engines move rows; the kernels wait for their flags
         staged = copies and quantize  # FP8 made here: the peers' rows are staged, then copied
+        if staged and R > 2:
+            raise ValueError("quantized_rows_by='copy_engine' stages each peer's rows at their row numbers there, "
+                             f"which overlap in the staging area with more than 2 ranks (here {R}); use 'sm'")
         key = (("stage", self.stage_chunks, self.copy_share, self._stage_round()) if staged
                else ("dispatch", self.copy_share))
         if planned and torch.cuda.is_current_stream_capturing() and (cached is None or key not in cached.splits):
