@@ -1,6 +1,6 @@
 """The benchmarks' own kernels (`bench/sm_bandwidth.py`, `bench/fp8_tma_stage.py`, `bench/combine_red.py`,
 `bench/combine_timeline.py`, `bench/ep_timeline.py`, `bench/nvlink_store_width.py`, `bench/nvlink_push_pull.py`, `bench/nvlink_fp8_pattern.py`,
-`bench/start_together.py`) compile for sm_90 with the instructions they measure (CPU):
+`bench/start_together.py`, `bench/sum_l2_warm.py`) compile for sm_90 with the instructions they measure (CPU):
 the rates in BENCHMARKS.md are of these instructions."""
 
 import sys
@@ -167,3 +167,17 @@ def test_fp8_pattern_expected_rows_place_each_vector_where_the_kernel_stores_it(
                     else:  # 8 bytes at 8 j, 8 at 64 + 8 j
                         assert torch.equal(rows[t, 32 * g + 2 * j: 32 * g + 2 * j + 2], first)
                         assert torch.equal(rows[t, 32 * g + 16 + 2 * j: 32 * g + 16 + 2 * j + 2], second)
+
+
+def test_l2_warm_sum_runs_the_combines_sum_and_reads_rows_evict_last():
+    import sum_l2_warm
+
+    sig = {"pos_ptr": "*i32", "y_ptr": "*bf16", "cx_ptr": "*bf16", "out_ptr": "*bf16", "dummy_ptr": "*fp32",
+           "t_begin": "i32", "t_end": "i32", "H": "i32", "slots": "i32"}
+    text, _ = ptx.compile_for_sm90(sum_l2_warm.sum_range_kernel, sig, {"HB": 8192, "TB": 8}, num_warps=16,
+                                   aligned=("pos_ptr", "y_ptr", "cx_ptr", "out_ptr", "H"))
+    assert ptx.INSTRUCTIONS["bf16x2_add_as_fp32"] in text  # the two-rank sum of `sum_returned_rows`
+    sig = {"src_ptr": "*bf16", "sink_ptr": "*fp32", "r_begin": "i32", "r_end": "i32", "H": "i32"}
+    text, _ = ptx.compile_for_sm90(sum_l2_warm.touch_rows_kernel, sig, {"HB": 8192, "TB": 2}, num_warps=16,
+                                   aligned=("src_ptr", "H"))
+    assert "L2::evict_last" in text and "st.global" in text
