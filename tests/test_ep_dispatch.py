@@ -216,6 +216,51 @@ def case_subgroup(rank, world_size, seed):
     return handle.num_recv_tokens
 
 
+
+def case_rows_placed_by_a_device_transport(rank, world_size, seed):
+    """A device transport may put the rows from a source out of the source's token order (`nvlink_copy_engine`
+    does; `recv_src_idx` names each row's token). What such a handle sends through the reference transport (an
+    fp32 combine, a cached fp32 dispatch, the weights-only backward passes) must follow its rows: here a handle of
+    the reference backend with its rows shuffled within each source's block, as a device transport's, must give
+    the unshuffled handle's results on the matching rows."""
+    import copy
+
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    num_experts = 4 * world_size
+    inputs = make_inputs(seed, world_size, [9, 7, 8, 6][:world_size], 256, num_experts, 3, drop=0.1)
+    x, topk, w = inputs[rank]
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w,
+                                                      **layout_args(buffer, topk, num_experts))
+    n = handle.num_recv_tokens
+    g = torch.Generator().manual_seed(seed + rank)
+    ends = handle.rank_prefix_matrix[:, rank].tolist()
+    q = torch.cat([start + torch.randperm(end - start, generator=g) for start, end in zip([0] + ends[:-1], ends)])
+    assert q.numel() == n and (n < 4 or not torch.equal(q, torch.arange(n)))
+    placed = copy.copy(handle)  # the same layout, rows where a device transport might have put them
+    placed.recv_src_idx = handle.recv_src_idx[q]
+    placed.nvlink_layout = "rows placed by a device transport"
+
+    y = recv_x.float() * 3 + torch.arange(n, dtype=torch.float32)[:, None]  # an fp32 combine: the reference path
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+    combined_placed, combined_w_placed, _ = buffer.combine(y[q], placed, topk_weights=recv_w[q])
+    assert torch.equal(combined_placed, combined) and torch.equal(combined_w_placed, combined_w)
+
+    x_new = torch.randn(x.size(0), x.size(1), generator=g)  # a cached fp32 dispatch: the reference path
+    recv_new = buffer.dispatch(x_new, handle=handle)[0]
+    assert torch.equal(buffer.dispatch(x_new, handle=placed)[0], recv_new[q])
+
+    grad_w = torch.rand(n, 3, generator=g)  # the weights-only backward of a dispatch, then of a combine
+    assert torch.equal(buffer._combine(None, placed, grad_w[q], None, None, False, internal=True)[1],
+                       buffer._combine(None, handle, grad_w, None, None, False, internal=True)[1])
+    grad_out_w = torch.rand(x.size(0), 3, generator=g)
+    fields = dict(num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                  num_tokens_per_expert=None, topk_idx=None, topk_weights=grad_out_w, expert_alignment=1,
+                  num_worst_tokens=0, previous_event=None, async_finish=False, fp8=False, dequantize=False,
+                  internal=True)
+    assert torch.equal(buffer._dispatch(None, handle=placed, **fields)[2],
+                       buffer._dispatch(None, handle=handle, **fields)[2][q])
+    return n
+
 # -- tests -----------------------------------------------------------------------------------------------------
 
 DISPATCH_CASES = [
@@ -253,6 +298,12 @@ def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
     assert HEADER_WORDS == 13
     assert hints == [world_size * (12 * row + -(-(13 + world_size) * 8 // 16) * 16)] * world_size
 
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rows_a_device_transport_placed_out_of_token_order_take_the_reference_path_in_their_order(world_size):
+    received = gloo_pool(world_size).run(case_rows_placed_by_a_device_transport, 515 + world_size)
+    assert all(n >= 4 for n in received)
 
 def test_buffer_on_a_subgroup():
     received = gloo_pool(4).run(case_subgroup, 4242)

@@ -280,16 +280,16 @@ def test_a_layout_that_is_not_the_top_k_ids_is_rejected_on_every_rank():
 
 def case_constructor_error_on_one_rank(rank, world_size, argument):
     bad = {"num_sms": dict(num_sms=0), "backend": dict(backend="nvlink"), "num_rdma_bytes": dict(num_rdma_bytes=1),
-           "num_nvl_bytes": dict(num_nvl_bytes="big")}[argument]
+           "num_nvl_bytes": dict(num_nvl_bytes="big"), "timeout_s": dict(timeout_s=-1.0)}[argument]
     start = time.monotonic()
     try:
-        Buffer(dist.group.WORLD, timeout_s=10, **(bad if rank == world_size - 1 else {}))
+        Buffer(dist.group.WORLD, **{"timeout_s": 10, **(bad if rank == world_size - 1 else {})})
     except EPArgumentError as error:
         return error.argument, str(error), time.monotonic() - start
     return None
 
 
-@pytest.mark.parametrize("argument", ["num_sms", "backend", "num_rdma_bytes", "num_nvl_bytes"])
+@pytest.mark.parametrize("argument", ["num_sms", "backend", "num_rdma_bytes", "num_nvl_bytes", "timeout_s"])
 def test_a_constructor_argument_rejected_on_one_rank_is_raised_on_every_rank_at_once(argument):
     results = gloo_pool(2).run(case_constructor_error_on_one_rank, argument)
     assert all(r is not None and r[0] == argument and r[2] < 5.0 for r in results), results

@@ -646,6 +646,16 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(misaligned_copy(bf16[0]), bf16[4], topk_weights=bf16[2])
+            # what such a handle sends through the reference transport (fp32 rows, the weights-only backward passes)
+            # follows the rows where the device transport put them
+            c32, c32_w, _ = buf.combine(bf16[0].float() * 3.0, bf16[4], topk_weights=bf16[2])
+            wr = w.clone().requires_grad_(True)
+            recv_r, _, recv_wr, _, _, _ = buf.dispatch(x, **{**common, "topk_weights": wr})
+            (recv_wr * recv_r.float().sum(1, keepdim=True)).sum().backward()  # a combine of the weights only
+            cw = bf16[2].clone().requires_grad_(True)
+            cw_out = buf.combine(bf16[0], bf16[4], topk_weights=cw)[1]
+            (cw_out * torch.arange(1.0, K + 1, device=dev)).pow(2).sum().backward()  # a dispatch of the weights only
+            cw_grad = in_reference_order(cw.grad, bf16[4], rank) if name == "nvlink_copy_engine" else cw.grad
             if name == backend and seed == 0:  # wider than the peers' weight slots: rejected on every rank
                 with pytest.raises(ValueError, match="topk_weights"):
                     buf.combine(bf16[0], bf16[4], topk_weights=torch.rand(bf16[0].size(0), 17, device=dev))
@@ -656,7 +666,8 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
                 q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
                 q32_rows = in_reference_order(q32_rows, q32[4], rank)
                 qin_rows = [in_reference_order(t, qin[4], rank) for t in qin_rows]
-            outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows)
+            outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows,
+                          c32, c32_w, wr.grad, cw_grad)
         _assert_outputs_equal(outs[backend], outs["reference"], f"seed {seed}")
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()

@@ -33,7 +33,7 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
              "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
              "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms",
-             "num_rdma_bytes", "low_latency_mode", "config")
+             "num_rdma_bytes", "low_latency_mode", "config", "timeout_s")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
@@ -109,6 +109,47 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
+
+
+def _reference_rows(handle) -> Optional[torch.Tensor]:
+    """For a handle whose received rows a device transport placed: ``perm`` (int64 ``[num_recv_tokens]``) with the
+    reference transport's row i = the handle's row ``perm[i]``, else None. The reference transport puts the rows from
+    each source in the source's token order; a device transport need not (`nvlink_copy_engine` fills rows its copies
+    skip with later tokens), and ``recv_src_idx`` names each row's token. Made once per handle, on the device (no
+    host synchronization)."""
+    if getattr(handle, "nvlink_layout", None) is None:
+        return None
+    perm = getattr(handle, "reference_rows", None)
+    if perm is None:
+        n = handle.num_recv_tokens
+        if n < 0:
+            raise _reject("x", "a handle made inside a CUDA graph capture moves bf16 or FP8 rows through the nvlink "
+                               "kernels only (its received rows are not counted on the host)")
+        ends = handle.rank_prefix_matrix[:, handle.rank].to(torch.int64)  # where each source's rows end
+        rows = torch.arange(n, dtype=torch.int64, device=ends.device)
+        source = torch.searchsorted(ends, rows, right=True)
+        key = source * 2**32 + handle.recv_src_idx[:n].to(device=ends.device, dtype=torch.int64)
+        perm = torch.argsort(key, stable=True)
+        handle.reference_rows = perm
+    return perm
+
+
+def _rows_to_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Rows of ``t`` in a device transport's order -> the reference transport's (padding rows past ``perm`` kept)."""
+    if t is None or perm is None:
+        return t
+    out = t.clone()
+    out[:perm.numel()] = t.index_select(0, perm.to(t.device))
+    return out
+
+
+def _rows_from_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The inverse of `_rows_to_reference`."""
+    if t is None or perm is None:
+        return t
+    out = t.clone()
+    out[perm.to(t.device)] = t[:perm.numel()]
+    return out
 
 class Config:
     """
@@ -231,12 +272,13 @@ class Buffer:
                 configure DeepEP's RDMA and low-latency paths).
             explicitly_destroy: accepted; `destroy` works either way.
         """
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise _reject("timeout_s", f"expected a number of seconds > 0, got {timeout_s!r}")
         if group is None:
             group = dist.group.WORLD
         error = None  # an argument error: raised on every rank after the first header exchange (below)
         try:
+            if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+                bad_timeout, timeout_s = timeout_s, 60.0  # (the exchange that tells the other ranks needs a bound)
+                raise _reject("timeout_s", f"expected a number of seconds > 0, got {bad_timeout!r}")
             if num_rdma_bytes != 0:
                 raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
             if low_latency_mode:
@@ -480,9 +522,11 @@ class Buffer:
             expert_alignment: round each entry of `num_recv_tokens_per_expert_list` up to a multiple of this.
             num_worst_tokens: if positive, the received tensors have exactly this many rows (the rows past the
                 received tokens are zero, their `recv_topk_idx` is -1) and `num_recv_tokens_per_expert_list` is an
-                empty list; the nvlink backend then needs no host synchronization and can be captured in a CUDA
-                graph, and so can the nvlink_copy_engine backend in the cached mode (`handle` of an eager dispatch,
-                which planned the copies on the host). Must be at least the number of tokens this rank receives.
+                empty list; the nvlink backend's kernels then need no host synchronization, so the call can be
+                captured in a CUDA graph (where it runs with none), and so can the nvlink_copy_engine backend's in the
+                cached mode (`handle` of an eager dispatch, which planned the copies on the host). An eager call still
+                checks its arguments' values and exchanges a header with every rank on the host (a synchronization)
+                before it launches anything. Must be at least the number of tokens this rank receives.
             config: a `Config` (`smsplit.ep.Config`, or anything with an int `num_sms`): the SMs of this call's
                 kernels, at most the budget's comm SMs; None, or an object without a readable `num_sms` (DeepEP's
                 own `deep_ep.Config`): `num_sms`. Every rank must give the same count; a call captured in a CUDA
@@ -595,10 +639,12 @@ class Buffer:
                 num_tokens = handle.num_tokens
                 payload.append(torch.arange(num_tokens, dtype=torch.int32, device=self.device).view(num_tokens, 1))
             received = iter(self.transport.dispatch("dispatch", handle, payload))
-            recv_values = next(received) if values is not None else None
-            recv_scales = next(received) if scales is not None else None
-            recv_topk_idx = next(received) if topk_idx is not None else None
-            recv_topk_weights = next(received) if topk_weights is not None else None
+            # a cached dispatch of a device transport's layout: its rows where that transport put them
+            perm = _reference_rows(handle) if cached else None
+            recv_values = _rows_from_reference(next(received), perm) if values is not None else None
+            recv_scales = _rows_from_reference(next(received), perm) if scales is not None else None
+            recv_topk_idx = _rows_from_reference(next(received), perm) if topk_idx is not None else None
+            recv_topk_weights = _rows_from_reference(next(received), perm) if topk_weights is not None else None
             if not cached:
                 handle.recv_src_idx = next(received)[:handle.num_recv_tokens, 0].contiguous()
             if recv_topk_idx is not None:
@@ -764,9 +810,10 @@ class Buffer:
             combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases, sms)
             return combined_x, summed_weights, self._finish_event(async_finish)
         rows = handle.num_recv_rows
+        perm = _reference_rows(handle)  # rows of a device transport's dispatch, in the reference transport's order
         summed_x, summed_weights = self.transport.combine(
-            "combine", handle, [x[:rows] if x is not None else None,
-                                topk_weights[:rows] if topk_weights is not None else None])
+            "combine", handle, [_rows_to_reference(x[:rows], perm) if x is not None else None,
+                                _rows_to_reference(topk_weights[:rows], perm) if topk_weights is not None else None])
         combined_x = None
         if summed_x is not None:
             for b in biases:
