@@ -155,6 +155,28 @@ def case_through_the_group(rank, world_size, case, *args):
         del os.environ[ENV_SWITCH]
 
 
+
+def case_device_backend_checks(rank, world_size):
+    """The checks only the device backends make, raised on every rank before any kernel: a hidden size that is not
+    a multiple of 128, a receive buffer smaller than their layout needs, more than 16 top-k columns. Run on a gloo
+    group: a reference buffer whose `backend` is set to a device backend's after construction (the checks read the
+    backend name and the sizes only; no device transport is made before they pass)."""
+    messages = []
+    for backend in ("nvlink", "nvlink_copy_engine", "copy_engine"):
+        need = Buffer.get_buffer_size_hint(4, HIDDEN, world_size, TOPK, backend=backend)
+        buffer = Buffer(dist.group.WORLD, num_nvl_bytes=need, timeout_s=10)
+        buffer.backend = backend
+        messages.append(expect_rejected("x", lambda: buffer.dispatch(**valid_call(rank, world_size, hidden=200))))
+        small = Buffer(dist.group.WORLD, num_nvl_bytes=need - 16, timeout_s=10)
+        small.backend = backend
+        messages.append(expect_rejected("num_nvl_bytes", lambda: small.dispatch(**valid_call(rank, world_size))))
+        wide = valid_call(rank, world_size)
+        extra = torch.full((wide["x"].size(0), 17 - TOPK), -1, dtype=torch.int64)
+        wide["topk_idx"] = torch.cat([wide["topk_idx"], extra], dim=1)
+        wide["topk_weights"] = torch.cat([wide["topk_weights"], torch.zeros(extra.shape)], dim=1)
+        messages.append(expect_rejected("topk_idx", lambda: buffer.dispatch(**wide)))
+    return messages
+
 def run_case(world_size, headers, case, *args):
     if headers == "group":
         return gloo_pool(world_size).run(case_through_the_group, case, *args)
@@ -312,3 +334,13 @@ def test_a_device_combine_rejects_weights_its_slots_cannot_hold():
         with pytest.raises(ValueError, match="topk_weights") as error:
             check_combine_weights(weights, 5, 9)
         assert "float32 [5, k] with 1 <= k <= 9" in str(error.value) or what == "strided", what
+
+
+
+def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel():
+    for messages in gloo_pool(2).run(case_device_backend_checks):
+        for i, backend in enumerate(("nvlink", "nvlink_copy_engine", "copy_engine")):
+            hidden, size, topk = messages[3 * i: 3 * i + 3]
+            assert f"the {backend} backend needs a hidden size that is a multiple of 128, got 200" in hidden
+            assert "need" in size and f"backend={backend!r}" in size
+            assert f"the {backend} backend moves up to 16 top-k columns, got 17" in topk
