@@ -239,15 +239,24 @@ def case_rows_placed_by_a_device_transport(rank, world_size, seed):
     placed = copy.copy(handle)  # the same layout, rows where a device transport might have put them
     placed.recv_src_idx = handle.recv_src_idx[q]
     placed.nvlink_layout = "rows placed by a device transport"
+    captured = copy.copy(placed)  # as a dispatch captured in a CUDA graph leaves it: padded, no host count
+    captured.num_recv_tokens, captured.num_worst_tokens = -1, n + 5
+    captured.recv_src_idx = torch.cat([placed.recv_src_idx, torch.randint(-1, 50, (5,), generator=g,
+                                                                          dtype=torch.int32)])
 
     y = recv_x.float() * 3 + torch.arange(n, dtype=torch.float32)[:, None]  # an fp32 combine: the reference path
     combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
     combined_placed, combined_w_placed, _ = buffer.combine(y[q], placed, topk_weights=recv_w[q])
     assert torch.equal(combined_placed, combined) and torch.equal(combined_w_placed, combined_w)
+    padding = torch.full((5, y.size(1)), 1e6)
+    combined_captured, _, _ = buffer.combine(torch.cat([y[q], padding]), captured)
+    assert torch.equal(combined_captured, buffer.combine(y, handle)[0])
 
     x_new = torch.randn(x.size(0), x.size(1), generator=g)  # a cached fp32 dispatch: the reference path
     recv_new = buffer.dispatch(x_new, handle=handle)[0]
     assert torch.equal(buffer.dispatch(x_new, handle=placed)[0], recv_new[q])
+    recv_captured = buffer.dispatch(x_new, handle=captured)[0]
+    assert torch.equal(recv_captured[:n], recv_new[q]) and not recv_captured[n:].any()
 
     grad_w = torch.rand(n, 3, generator=g)  # the weights-only backward of a dispatch, then of a combine
     assert torch.equal(buffer._combine(None, placed, grad_w[q], None, None, False, internal=True)[1],

@@ -121,10 +121,9 @@ def _reference_rows(handle) -> Optional[torch.Tensor]:
         return None
     perm = getattr(handle, "reference_rows", None)
     if perm is None:
-        n = handle.num_recv_tokens
-        if n < 0:
-            raise _reject("x", "a handle made inside a CUDA graph capture moves bf16 or FP8 rows through the nvlink "
-                               "kernels only (its received rows are not counted on the host)")
+        # a handle made inside a CUDA graph capture has no host count (-1): its recv_src_idx covers every padded row,
+        # and rows past the received ones get source R here, so they stay after them, among themselves
+        n = handle.num_recv_tokens if handle.num_recv_tokens >= 0 else handle.recv_src_idx.numel()
         ends = handle.rank_prefix_matrix[:, handle.rank].to(torch.int64)  # where each source's rows end
         rows = torch.arange(n, dtype=torch.int64, device=ends.device)
         source = torch.searchsorted(ends, rows, right=True)
@@ -138,17 +137,16 @@ def _rows_to_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) 
     """Rows of ``t`` in a device transport's order -> the reference transport's (padding rows past ``perm`` kept)."""
     if t is None or perm is None:
         return t
-    out = t.clone()
-    out[:perm.numel()] = t.index_select(0, perm.to(t.device))
-    return out
+    return torch.cat([t.index_select(0, perm.to(t.device)), t[perm.numel():]])
 
 
 def _rows_from_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The inverse of `_rows_to_reference`."""
     if t is None or perm is None:
         return t
-    out = t.clone()
+    out = torch.empty_like(t)
     out[perm.to(t.device)] = t[:perm.numel()]
+    out[perm.numel():] = t[perm.numel():]
     return out
 
 class Config:
