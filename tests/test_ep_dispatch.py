@@ -216,7 +216,6 @@ def case_subgroup(rank, world_size, seed):
     return handle.num_recv_tokens
 
 
-
 def case_rows_placed_by_a_device_transport(rank, world_size, seed):
     """A device transport may put the rows from a source out of the source's token order (`nvlink_copy_engine`
     does; `recv_src_idx` names each row's token). What such a handle sends through the reference transport (an
@@ -272,6 +271,7 @@ def case_rows_placed_by_a_device_transport(rank, world_size, seed):
 
 # -- tests -----------------------------------------------------------------------------------------------------
 
+
 DISPATCH_CASES = [
     # world, tokens per rank, hidden, experts, topk, mode, special, alignment, worst, dtype
     (2, [5, 3], 2048, 8, 1, "bf16", None, 1, 0, torch.bfloat16),
@@ -308,11 +308,11 @@ def test_buffer_reuse_many_rounds_and_cached_handles(world_size):
     assert hints == [world_size * (12 * row + -(-(13 + world_size) * 8 // 16) * 16)] * world_size
 
 
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rows_a_device_transport_placed_out_of_token_order_take_the_reference_path_in_their_order(world_size):
     received = gloo_pool(world_size).run(case_rows_placed_by_a_device_transport, 515 + world_size)
     assert all(n >= 4 for n in received)
+
 
 def test_buffer_on_a_subgroup():
     received = gloo_pool(4).run(case_subgroup, 4242)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from smsplit.ep import Buffer, EPArgumentError, EPError, EPTimeoutError, compute_dispatch_layout
+from smsplit.ep.buffer import DEVICE_BACKENDS
 from smsplit.ep.host_headers import ENV_SWITCH
 from smsplit.ep.testing import gloo_pool
 
@@ -155,14 +156,13 @@ def case_through_the_group(rank, world_size, case, *args):
         del os.environ[ENV_SWITCH]
 
 
-
 def case_device_backend_checks(rank, world_size):
     """The checks only the device backends make, raised on every rank before any kernel: a hidden size that is not
     a multiple of 128, a receive buffer smaller than their layout needs, more than 16 top-k columns. Run on a gloo
     group: a reference buffer whose `backend` is set to a device backend's after construction (the checks read the
     backend name and the sizes only; no device transport is made before they pass)."""
     messages = []
-    for backend in ("nvlink", "nvlink_copy_engine", "copy_engine"):
+    for backend in DEVICE_BACKENDS:
         need = Buffer.get_buffer_size_hint(4, HIDDEN, world_size, TOPK, backend=backend)
         buffer = Buffer(dist.group.WORLD, num_nvl_bytes=need, timeout_s=10)
         buffer.backend = backend
@@ -176,6 +176,7 @@ def case_device_backend_checks(rank, world_size):
         wide["topk_weights"] = torch.cat([wide["topk_weights"], torch.zeros(extra.shape)], dim=1)
         messages.append(expect_rejected("topk_idx", lambda: buffer.dispatch(**wide)))
     return messages
+
 
 def run_case(world_size, headers, case, *args):
     if headers == "group":
@@ -336,10 +337,9 @@ def test_a_device_combine_rejects_weights_its_slots_cannot_hold():
         assert "float32 [5, k] with 1 <= k <= 9" in str(error.value) or what == "strided", what
 
 
-
 def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel():
     for messages in gloo_pool(2).run(case_device_backend_checks):
-        for i, backend in enumerate(("nvlink", "nvlink_copy_engine", "copy_engine")):
+        for i, backend in enumerate(DEVICE_BACKENDS):
             hidden, size, topk = messages[3 * i: 3 * i + 3]
             assert f"the {backend} backend needs a hidden size that is a multiple of 128, got 200" in hidden
             assert "need" in size and f"backend={backend!r}" in size

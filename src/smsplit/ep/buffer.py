@@ -110,7 +110,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-
 def _reference_rows(handle) -> Optional[torch.Tensor]:
     """For a handle whose received rows a device transport placed: ``perm`` (int64 ``[num_recv_tokens]``) with the
     reference transport's row i = the handle's row ``perm[i]``, else None. The reference transport puts the rows from
@@ -148,6 +147,7 @@ def _rows_from_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]
     out[perm.to(t.device)] = t[:perm.numel()]
     out[perm.numel():] = t[perm.numel():]
     return out
+
 
 class Config:
     """
