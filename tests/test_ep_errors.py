@@ -213,8 +213,9 @@ def test_ranks_calling_different_operations_raise(headers):
 def test_local_argument_errors_need_no_group():
     with pytest.raises(ValueError, match="backend"):
         Buffer(None, backend="nvlink-someday")
-    with pytest.raises(ValueError, match="timeout_s"):
-        Buffer(None, timeout_s=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), 366 * 24 * 3600.0, True, "60"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            Buffer(None, timeout_s=bad)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         Buffer(None, num_nvl_bytes=-1)
 

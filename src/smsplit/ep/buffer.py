@@ -37,6 +37,7 @@ ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
+MAX_TIMEOUT_S = 365 * 24 * 3600.0  # the longest timeout_s: a year
 
 
 def _reject(argument: str, message: str) -> EPArgumentError:
@@ -260,7 +261,8 @@ class Buffer:
                 pack and sum, the copy engines move the bytes), or "auto" (the reference). The device backends need
                 an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.
                 "nvlink" and "nvlink_copy_engine" can be captured in CUDA graphs (see `dispatch`).
-            timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`.
+            timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`: finite, at most
+                `MAX_TIMEOUT_S` (a year; the waits hand it to gloo and to the kernels as nanoseconds).
 
         DeepEP's other constructor arguments, by keyword only (the third positional argument here is `num_sms`,
         DeepEP's is `num_rdma_bytes`):
@@ -274,9 +276,11 @@ class Buffer:
             group = dist.group.WORLD
         error = None  # an argument error: raised on every rank after the first header exchange (below)
         try:
-            if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                    or not 0 < timeout_s <= MAX_TIMEOUT_S):
                 bad_timeout, timeout_s = timeout_s, 60.0  # (the exchange that tells the other ranks needs a bound)
-                raise _reject("timeout_s", f"expected a number of seconds > 0, got {bad_timeout!r}")
+                raise _reject("timeout_s", f"expected a number of seconds in (0, {MAX_TIMEOUT_S:g}], got "
+                                           f"{bad_timeout!r}")
             if num_rdma_bytes != 0:
                 raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
             if low_latency_mode:
