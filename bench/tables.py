@@ -163,6 +163,7 @@ def ep_figure(name="ep"):
             rows = [r for r in d["rows"] if r["transport"] == transport]
             ax.plot([r["comm_sms"] for r in rows], [r[eager_key] * 1e3 for r in rows], "o--", label=f"{transport} (eager)")
         graph_rows = d.get("graph_rows", [])
+
         def variant(r):  # rows of the default chunks (by SM count) form one line
             chunks = "default" if r.get("combine_chunks_by_sms") else tuple(r.get("combine_chunks") or ())
             return r["transport"], r.get("copy_share"), chunks

@@ -242,6 +242,7 @@ def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, toke
     assert torch.equal(scales[:-1].view(torch.int32), ref_scales.view(torch.int32))  # NaN scales too, bit for bit
     assert (words[-1] == -1).all() and (scales[-1] == -1).all()
 
+
 def test_only_the_documented_dtypes_go_in_and_out():
     from smsplit.fp8 import dequantize_1x128, quantize_1x128
 

@@ -304,6 +304,8 @@ scenario("err-dualpipe-odd-chunks", 2)(lambda rank, world: _step_error("dualpipe
 scenario("err-dualpipe-small-chunks", 2)(lambda rank, world: _step_error("dualpipe", 2))
 scenario("err-dualpipe-rows", 2)(lambda rank, world: _step_error("dualpipe", 4, rows=3))
 scenario("err-dualpipe-no-criterion", 2)(lambda rank, world: _step_error("dualpipe", 4, crit=None))
+
+
 def _ranks_disagree(rank, world, what):
     """DualPipeV on 2 ranks where rank 1 asks for another num_chunks or another mode than rank 0."""
     def run():

@@ -16,6 +16,7 @@ import torch
 
 from smsplit import info
 
+
 def cpu_explanation(comm_sms: int) -> str:
     """What `smsplit trace` would show on a Hopper GPU (132 SMs, granted in groups of 8) for ``comm_sms``."""
     from smsplit.budget import plan_split
