@@ -207,7 +207,10 @@ class Buffer:
     Kernels queued behind the failed one do not wait for peers any more (the NVLink transports' move nothing and
     signal no peer but free their copy stream; the copy-engine transport's flags carry call numbers, so no copy
     stream waits for ever), and their results are not valid (like the failed call's own). `check_kernels` waits
-    for the stream, where a result must be known good without a later call.
+    for the stream, where a result must be known good without a later call. A device backend makes its symmetric
+    buffer (collectively: torch's symmetric-memory rendezvous, then a barrier) at the first dispatch of each hidden
+    size, after that call's header exchange: a peer lost between the two is bounded by the process group's timeout,
+    not `timeout_s`.
 
     Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
     is a combine of the gradients and the backward of a combine is a dispatch of the gradients.
