@@ -54,7 +54,7 @@ def worker(rank, world, port, args, queue):
                           topk_idx=topk, topk_weights=weights)
             recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
             y = torch.randn(recv_x.shape, generator=g).to(dev, torch.bfloat16)
-            tr, lay = handle.nvlink_transport, handle.nvlink_layout
+            tr, lay = getattr(handle, "nvlink_transport", None), getattr(handle, "nvlink_layout", None)
             num_local = E // world
 
             def transport_bf16():  # a cached BF16 dispatch of the transport alone
@@ -65,21 +65,23 @@ def worker(rank, world, port, args, queue):
                    "buffer_dispatch_bf16_cached_ms": timed(lambda: buf.dispatch(x, handle=handle)),
                    "buffer_dispatch_fp8_cached_ms": timed(lambda: buf.dispatch(x, handle=handle, fp8=True)),
                    "buffer_dispatch_fp8_input_cached_ms": timed(lambda: buf.dispatch((xq, xs), handle=handle)),
-                   "buffer_combine_ms": timed(lambda: buf.combine(y, handle)),
-                   "transport_dispatch_bf16_cached_ms": timed(transport_bf16),
-                   "transport_dispatch_fp8_cached_ms": timed(lambda: tr.dispatch(
-                       x, None, topk, weights, in_rank, num_local, quantize=True, cached=lay))}
-            transport_bf16()
-            row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+                   "buffer_combine_ms": timed(lambda: buf.combine(y, handle))}
+            if tr is not None:  # (the reference backend has no kernels of its own to time alone)
+                row["transport_dispatch_bf16_cached_ms"] = timed(transport_bf16)
+                row["transport_dispatch_fp8_cached_ms"] = timed(lambda: tr.dispatch(
+                    x, None, topk, weights, in_rank, num_local, quantize=True, cached=lay))
+                transport_bf16()
+                row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay))
             if args.queued > 1:
                 row.update({
                     "buffer_dispatch_bf16_cached_queued_ms": timed(lambda: buf.dispatch(x, handle=handle), args.queued),
                     "buffer_dispatch_fp8_cached_queued_ms": timed(lambda: buf.dispatch(x, handle=handle, fp8=True),
                                                                   args.queued),
-                    "buffer_combine_queued_ms": timed(lambda: buf.combine(y, handle), args.queued),
-                    "transport_dispatch_bf16_cached_queued_ms": timed(transport_bf16, args.queued)})
-                transport_bf16()
-                row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay), args.queued)
+                    "buffer_combine_queued_ms": timed(lambda: buf.combine(y, handle), args.queued)})
+                if tr is not None:
+                    row["transport_dispatch_bf16_cached_queued_ms"] = timed(transport_bf16, args.queued)
+                    transport_bf16()
+                    row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay), args.queued)
             torch.cuda.synchronize()
             dist.barrier(device_ids=[rank])
             profiler = cProfile.Profile()
@@ -111,8 +113,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[20])
-    parser.add_argument("--backends", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
-                        choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
+    parser.add_argument("--backends", nargs="+", default=["reference", "nvlink", "nvlink_copy_engine", "copy_engine"],
+                        choices=["reference", "nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--queued", type=int, default=10,
                         help="calls queued back to back per timed run in the queued columns (1: none)")
