@@ -196,9 +196,15 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
         _, _, _, _, src = expected_dispatch(inputs, rank, world_size, num_experts)
         gathered = [torch.empty(0)] * world_size
         dist.all_gather_object(gathered, x_new)
-        assert torch.equal(recv_new, torch.stack([gathered[s][t] for s, t in src]) if src
-                           else torch.empty(0, hidden, dtype=dtype))
+        expected_rows = torch.stack([gathered[s][t] for s, t in src]) if src else torch.empty(0, hidden, dtype=dtype)
+        assert torch.equal(recv_new, expected_rows)
         previous.append(recv_new)
+        # a cached dispatch that quantizes: the same rows, quantized as `quantize_1x128` does
+        (recv_fp8, recv_scales), *_ = buffer.dispatch(x_new, handle=handle, fp8=True)
+        ref_fp8, ref_scales = fp8_lib.quantize_1x128(expected_rows)
+        assert torch.equal(recv_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+        assert torch.equal(recv_scales, ref_scales)
+        previous += [recv_fp8.view(torch.uint8), recv_scales]
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
 
@@ -283,6 +289,8 @@ DISPATCH_CASES = [
     (2, [4, 6], 2048, 8, 3, "bf16", "silent_rank", 1, 0, torch.float32),  # rank 1's tokens go nowhere
     (2, [4, 6], 3072, 8, 4, "bf16", "one_rank", 8, 0, torch.bfloat16),  # every token to rank 1
     (2, [5, 3], 2048, 8, 2, "bf16", None, 1, 16, torch.bfloat16),       # padded, no host-side counts
+    (2, [6, 5], 2048, 16, 5, "fp8", None, 1, 0, torch.bfloat16),
+    (2, [4, 6], 7168, 16, 7, "fp8_input", None, 1, 0, torch.bfloat16),
     (4, [3, 5, 0, 4], 2048, 16, 4, "bf16", None, 1, 0, torch.bfloat16),
     (4, [2, 3, 2, 3], 7168, 36, 9, "fp8", None, 2, 0, torch.bfloat16),
     (4, [4, 1, 3, 2], 4096, 16, 1, "fp8_dequantize", None, 1, 0, torch.bfloat16),

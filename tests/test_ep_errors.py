@@ -338,8 +338,9 @@ def test_a_device_combine_rejects_weights_its_slots_cannot_hold():
         assert "float32 [5, k] with 1 <= k <= 9" in str(error.value) or what == "strided", what
 
 
-def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel():
-    for messages in gloo_pool(2).run(case_device_backend_checks):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel(world_size):
+    for messages in gloo_pool(world_size).run(case_device_backend_checks):
         for i, backend in enumerate(DEVICE_BACKENDS):
             hidden, size, topk = messages[3 * i: 3 * i + 3]
             assert f"the {backend} backend needs a hidden size that is a multiple of 128, got 200" in hidden

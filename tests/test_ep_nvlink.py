@@ -849,11 +849,15 @@ def _nvlink_copy_engine_on_gloo(rank):
     return {"backend": "nvlink_copy_engine", "num_nvl_bytes": 1 << 20}
 
 
+def _copy_engine_on_gloo(rank):
+    return {"backend": "copy_engine", "num_nvl_bytes": 1 << 20}
+
+
 def _num_sms_by_rank(rank):
     return {"num_sms": 20 + 4 * rank}
 
 
-@pytest.mark.parametrize("kwargs_of_rank", [_nvlink_on_gloo, _nvlink_copy_engine_on_gloo])
+@pytest.mark.parametrize("kwargs_of_rank", [_nvlink_on_gloo, _nvlink_copy_engine_on_gloo, _copy_engine_on_gloo])
 def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason(kwargs_of_rank):
     mp.spawn(_buffer_refused_worker, args=(1, free_port(), kwargs_of_rank, "backend", ["NCCL"]), nprocs=1,
              join=True)
