@@ -41,7 +41,10 @@ def free_port() -> int:
 
 
 def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` (same device) whose data starts one element past a 16-byte boundary."""
+    """A contiguous copy of ``t`` (same device) whose data starts one element past a 16-byte boundary (an empty
+    ``t``: a plain copy, it has no data to place)."""
+    if t.numel() == 0:
+        return t.clone()
     flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
     start = next(i for i in range(1, 17) if (flat.data_ptr() + i * t.element_size()) % 16)
     out = flat[start:start + t.numel()].view(t.shape)
