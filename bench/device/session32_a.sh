@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 patch -s --no-backup-if-mismatch -p1 < bench/device/session32_tests.patch
 timeout -s KILL 560 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_nvlink.py tests/test_ep_copy_engine.py \
-  -k "buffer_nvlink or buffer_device_backends or buffer_copy_engine_backend" > "$OUT/pytest_buffer_session32.log" 2>&1
+  -k "buffer_nvlink or buffer_device_backends or buffer_copy_engine_backend or buffer_dispatch_and_combine_replay" > "$OUT/pytest_buffer_session32.log" 2>&1
 echo "buffer tests rc $?"; grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_buffer_session32.log" | cut -c1-160; tail -3 "$OUT/pytest_buffer_session32.log"
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
 patch -s -R -p1 < bench/device/session32_tests.patch
