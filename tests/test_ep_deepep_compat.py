@@ -1,5 +1,5 @@
 """Code written for DeepEP's `deep_ep.Buffer` (intranode, normal kernels) runs on `smsplit.ep.Buffer` after an
-import change: its constructor keywords, positional calls in DeepEP's argument order (with `config`), the static
+import change: its constructor (DeepEP's README's positional call and every keyword), positional calls in DeepEP's argument order (with `config`), the static
 `Buffer.capture()`, tuple-style handles, `destroy()`, and the SM count through `Buffer.set_num_sms`, `Config` and
 `get_dispatch_config` / `get_combine_config`. Checked on 2 gloo ranks against the sums a dispatch and a combine must
 give."""
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
 from smsplit.ep.testing import gloo_pool
+from smsplit.ep.utils import EventHandle  # where DeepEP code imports it from (deep_ep.utils)
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 8, 256, 3, 6
 
@@ -24,12 +25,19 @@ def deepep_style_calls(rank, world_size):
     topk_idx[0, 1] = -1  # a dropped selection
     topk_weights = torch.rand(TOKENS, TOPK, generator=g)
 
-    # as DeepEP's README builds its buffer (the RDMA size by keyword: the third positional argument is num_sms)
-    buffer = Buffer(dist.group.WORLD, 0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
-                    allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True, comm=None)
-    assert buffer.num_rdma_bytes == 0 and buffer.num_nvl_bytes == 0
-    previous = Buffer.capture()
-    assert isinstance(previous, EventOverlap) and isinstance(buffer.capture(), EventOverlap)
+    # as DeepEP's README builds its buffer: sizes from the configs' hints, then Buffer(group, nvl, rdma) by position
+    num_nvl_bytes, num_rdma_bytes = 0, 0
+    hidden_bytes = HIDDEN * max(x.element_size(), 2)
+    for config in (Buffer.get_dispatch_config(world_size), Buffer.get_combine_config(world_size)):
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, world_size), num_nvl_bytes)
+        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, world_size), num_rdma_bytes)
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes)
+    assert buffer.num_rdma_bytes == 0 and buffer.num_nvl_bytes == 0 and buffer.num_sms == Buffer.num_sms
+    # every DeepEP constructor argument, its first seven by position
+    Buffer(dist.group.WORLD, 0, 0, False, 24, True, False, use_fabric=False, explicitly_destroy=True,
+           enable_shrink=False, comm=None)
+    previous = EventOverlap(EventHandle())  # DeepEP's way to make a call wait for the current stream's work
+    assert isinstance(Buffer.capture(), EventOverlap) and isinstance(buffer.capture(), EventOverlap)
     num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = \
         buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS, previous_event=previous, async_finish=True,
                                    allocate_on_comm_stream=False)
@@ -116,8 +124,14 @@ def test_deepep_only_paths_are_refused_with_a_reason():
         Buffer(None, num_rdma_bytes=1 << 20)
     with pytest.raises(ValueError, match="low_latency_mode: must be False"):
         Buffer(None, low_latency_mode=True)
+    with pytest.raises(ValueError, match="num_rdma_bytes: must be 0"):
+        Buffer(None, 0, 16)  # the third positional argument is DeepEP's num_rdma_bytes, not num_sms
+    with pytest.raises(ValueError, match="low_latency_mode: must be False"):
+        Buffer(None, 0, 0, True)
     with pytest.raises(TypeError):
-        Buffer(None, 0, 20, None, "auto", 60.0, 0)  # DeepEP's keywords are keyword-only here
+        Buffer(None, 0, 0, False, 24, True, False, False)  # past DeepEP's first seven, keywords only
+    with pytest.raises(TypeError):
+        Buffer(None, 0, 0, False, 24, True, False, 20)  # smsplit's own too (num_sms)
 
 
 def round_trip_with(buffer, rank, config):
@@ -140,7 +154,7 @@ def set_num_sms_and_configs(rank, world_size):
     before = Buffer.num_sms
     try:
         default = Buffer(dist.group.WORLD, 0, timeout_s=30)
-        fixed = Buffer(dist.group.WORLD, 0, 16, timeout_s=30)
+        fixed = Buffer(dist.group.WORLD, 0, num_sms=16, timeout_s=30)
         budgeted = Buffer(dist.group.WORLD, 0, budget=SimpleNamespace(comm_sms=8), timeout_s=30)
         assert (Buffer.num_sms, default.num_sms, fixed.num_sms, budgeted.num_sms) == (20, 20, 16, 8)
         Buffer.set_num_sms(24)

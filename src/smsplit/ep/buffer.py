@@ -235,20 +235,25 @@ class Buffer:
 
     num_sms: int = 20  # DeepEP's class default: the SM count of buffers made without one (`set_num_sms`)
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0,
-                 num_sms: Optional[int] = None,
-                 budget=None, backend: str = "auto", timeout_s: float = 60.0, *, num_rdma_bytes: int = 0,
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, comm=None) -> None:
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, *,
+                 num_sms: Optional[int] = None, budget=None, backend: str = "auto", timeout_s: float = 60.0,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None) -> None:
         """
-        Create the buffer; collective over `group`.
+        Create the buffer; collective over `group`. The positional arguments are DeepEP's, in DeepEP's order
+        (`Buffer(group, num_nvl_bytes, num_rdma_bytes)` works as it does there); smsplit's own are keyword-only.
 
         Arguments:
             group: the communication group (the default group if None). Gloo groups work on CPU tensors, NCCL groups
                 on CUDA tensors of the current device.
             num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
+            num_rdma_bytes: must be 0 (intranode only).
+            low_latency_mode: must be False (no low-latency kernels).
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: DeepEP's; accepted and ignored (they
+                configure its RDMA and low-latency paths).
             num_sms: the SMs the communication kernels use (a call's `config` may name another count); None: the class
                 attribute `Buffer.num_sms` at each call (20 unless `Buffer.set_num_sms` changed it, as DeepEP's
                 buffers follow it). Ignored when `budget` is given.
@@ -267,12 +272,8 @@ class Buffer:
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`: finite, at most
                 `MAX_TIMEOUT_S` (a year; the waits hand it to gloo and to the kernels as nanoseconds).
 
-        DeepEP's other constructor arguments, by keyword only (the third positional argument here is `num_sms`,
-        DeepEP's is `num_rdma_bytes`):
-            num_rdma_bytes: must be 0 (intranode only).
-            low_latency_mode: must be False (no low-latency kernels).
-            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, comm: accepted and ignored (they
-                configure DeepEP's RDMA and low-latency paths).
+        DeepEP's keyword arguments whose position differs between its versions, by keyword only:
+            use_fabric, enable_shrink, comm: accepted and ignored (fabric memory, elastic ranks, MPI bootstrap).
             explicitly_destroy: accepted; `destroy` works either way.
         """
         if group is None:
@@ -468,7 +469,8 @@ class Buffer:
             topk_idx: `[num_tokens, num_topk]` with `torch.int64`, the experts each token selected, `-1` for none.
             num_experts: the number of experts over all ranks, a multiple of the number of ranks.
             previous_event: the event the current stream waits for before the call reads its inputs.
-            async_finish: return an event instead of finishing on the current stream (no effect on CPU).
+            async_finish: also return an event recorded after the layout's work on the current stream (no effect on
+                CPU).
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
                 allocated on the current stream).
 
@@ -539,8 +541,9 @@ class Buffer:
                 tune DeepEP's ring buffers and are ignored.
             previous_event: the event the current stream waits for before the call reads its inputs (the argument
                 checks read the layout on the host after it).
-            async_finish: return an event instead of making the current stream wait (the reference backend always
-                finishes before returning).
+            async_finish: also return an event recorded after the call's work, for another stream to wait for; the
+                work itself runs on the current stream either way (there is no separate communication stream, see
+                docs/ep.md "Differences from DeepEP"); the reference backend always finishes before returning.
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
                 allocated on the current stream).
             fp8: quantize a floating-point `x` to FP8 e4m3 with one fp32 scale per 128 values before sending
@@ -762,8 +765,9 @@ class Buffer:
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
             config: as for `dispatch`: the SMs of this call's kernels (`config.num_sms`), else `num_sms`.
             previous_event: the event the current stream waits for before the call reads its inputs.
-            async_finish: return an event instead of making the current stream wait (the reference backend always
-                finishes before returning).
+            async_finish: also return an event recorded after the call's work, for another stream to wait for; the
+                work itself runs on the current stream either way (there is no separate communication stream, see
+                docs/ep.md "Differences from DeepEP"); the reference backend always finishes before returning.
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
                 allocated on the current stream).
 

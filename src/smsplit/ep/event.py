@@ -1,8 +1,31 @@
-"""EventOverlap: the completion event returned by every Buffer call (DeepEP's `deep_ep.utils.EventOverlap`)."""
+"""EventOverlap: the completion event returned by every Buffer call, and EventHandle (DeepEP's
+`deep_ep.utils.EventOverlap` and `EventHandle`)."""
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
+
+
+class EventHandle:
+    """
+    DeepEP's `EventHandle`: an event recorded on the current CUDA stream when it is made, so that
+    ``EventOverlap(EventHandle())`` can be a call's `previous_event`. Without CUDA it holds no event and waits for
+    nothing.
+
+    Attributes:
+        event: the recorded `torch.cuda.Event`, or None without CUDA.
+    """
+
+    def __init__(self) -> None:
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the event (no host blocking)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class EventOverlap:
@@ -13,11 +36,11 @@ class EventOverlap:
     method is a no-op, so the same calling code runs everywhere.
 
     Attributes:
-        event: the `torch.cuda.Event` recorded after the communication, or None.
+        event: the `torch.cuda.Event` recorded after the communication (or an `EventHandle`), or None.
         extra_tensors: tensors whose memory the communication still uses until `event` completes.
     """
 
-    def __init__(self, event: Optional[torch.cuda.Event] = None,
+    def __init__(self, event: Union[None, torch.cuda.Event, EventHandle] = None,
                  extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
@@ -33,7 +56,9 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         """Make the current stream wait for the event (no host blocking); a no-op without an event."""
-        if self.event is not None:
+        if isinstance(self.event, EventHandle):
+            self.event.current_stream_wait()
+        elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
     def __enter__(self) -> "EventOverlap":
