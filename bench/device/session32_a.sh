@@ -2,7 +2,8 @@
 # Session 32 (2 H200): the Buffer GPU tests with session32_tests.patch (the device buffer poisoned between seeds,
 # num_worst_tokens varied, a combine with two differentiable biases, cached BF16 and FP8 dispatches compared, and a
 # new parametrization: each device backend at top-k 9 / 1, every token to one rank, a rank that sends nothing) on
-# main, which since session 31 also compares an fp32 combine and the weights-only gradients of a device layout.
+# main, which since session 31 also compares an fp32 combine and the weights-only gradients of a device layout; the
+# Buffer graph test with every captured output poisoned and an FP8 dispatch quantized in the captured graph.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
