@@ -17,3 +17,42 @@ def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path):
     for name in ("loss_curve.png", "pipeline_timeline.png", "overlap_timeline.png", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
+
+
+def _stalling_worker(rank, world, port, opts, out_dir):
+    """The demo's own worker; rank 1 stalls 12 s before the EP gradient all-reduce of its first step. Each rank
+    writes what it raised and when."""
+    import time
+
+    import smsplit.moe.train as train
+
+    real = train._all_reduce_grads
+
+    def stalled(params, group):
+        if rank == 1:
+            time.sleep(12)
+        return real(params, group)
+
+    train._all_reduce_grads = stalled
+    start = time.monotonic()
+    outcome = {"error": None}
+    try:
+        train._worker(rank, world, port, opts)
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        outcome = {"error": type(error).__name__, "message": str(error)}
+    outcome["elapsed"] = time.monotonic() - start
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_a_stalled_peer_ends_the_demo_within_timeout_s_naming_the_rank_and_phase(tmp_path):
+    import torch.multiprocessing as mp
+
+    from smsplit.ep.testing import free_port
+
+    opts = dict(out_dir=str(tmp_path / "report"), steps=2, device="cpu", world_size=2, pp=1, chunks=2, batch=8,
+                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=3, ep_backend="reference")
+    mp.spawn(_stalling_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["error"] == "RuntimeError" and rank0["message"].startswith(
+        "rank 0: step 0: summing the replicated gradients"), rank0
+    assert rank0["elapsed"] < 11, rank0  # bounded by timeout_s (3 s) and the set-up, not the peer's 12 s

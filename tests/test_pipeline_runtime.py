@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -519,3 +520,68 @@ def test_ranks_without_inputs_fail_with_the_rank_that_has_them():
     rank0, rank1 = records("err-v-rows-2")
     assert rank0["type"] == "ValueError" and "divisible into 5 micro-batches" in rank0["message"]
     assert rank1["type"] == "RuntimeError" and "rank 0 rejected its step arguments" in rank1["message"]
+
+
+# ----------------------------------------------------------------------------------------------
+# a peer that stalls: every wait of the step is bounded by timeout_s and named
+
+
+class SlowStage(Stage):
+    """Stage whose forward stalls for `delay` seconds on the rank that holds it (a peer that hangs)."""
+
+    delay = 0.0
+
+    def forward(self, x, skip):
+        time.sleep(type(self).delay)
+        return super().forward(x, skip)
+
+
+def case_stalled_peer(rank, world, where):
+    """DualPipeV on a subgroup (whose own timeout is torch's default, 30 minutes) with timeout_s=2: rank 1
+    stalls 6 s, before its step ("step") or inside its stage's forward ("forward"). Returns, per rank, the error
+    it raised (type, rank, phase) and how long the step took."""
+    from smsplit.pipeline import PipelineError
+
+    group = dist.new_group([0, 1])
+    SlowStage.delay = 6.0 if (where == "forward" and rank == 1) else 0.0
+    stages = [SlowStage() for _ in range(2 * world)]
+    s0, s1 = stage_ids("dualpipev", world, rank)
+    pipe = DualPipeV((stages[s0], stages[s1]), process_group=group, timeout_s=2.0)
+    data = make_data("dualpipev", world, 4)
+    inputs, labels = step_args("dualpipev", world, rank, data)
+    if where == "step" and rank == 1:
+        time.sleep(6.0)
+        return None
+    start = time.monotonic()
+    try:
+        pipe.step(*inputs, num_chunks=4, criterion=criterion, labels=labels)
+    except PipelineError as error:
+        return type(error).__name__, error.rank, error.phase, str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("where", ["step", "forward"])
+def test_a_stalled_peer_raises_a_named_timeout_within_timeout_s(where):
+    from smsplit.ep.testing import ProcessPool
+
+    pool = ProcessPool(2)  # its own processes: the abandoned messages stay there
+    try:
+        results = pool.run(case_stalled_peer, where, timeout_s=60)
+    finally:
+        pool.close(graceful=False)
+    kind, rank, phase, message, elapsed = results[0]
+    assert kind == "PipelineTimeoutError" and rank == 0 and "timeout_s=2" in message, results
+    assert 1.9 < elapsed < 5.0, results
+    if where == "step":
+        assert phase == "agreeing with every rank on the step's arguments", results
+    else:
+        assert phase.startswith("receiving act") and "from pipeline rank 1" in phase, results
+        # the stalled rank, once it goes on, finds its peer gone: a named error too, not a hang
+        kind, rank, phase, message, elapsed = results[1]
+        assert kind in ("PipelineError", "PipelineTimeoutError") and rank == 1 and "pipeline rank 0" in phase, results
+
+
+def test_timeout_s_must_be_finite_and_positive():
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            DualPipeV((Stage(), Stage()), timeout_s=bad)  # (checked before the process group is needed)

@@ -14,6 +14,7 @@ Rank 0 shows a progress bar (loss, tokens/s, exposed communication) and writes t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -79,8 +80,9 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     cfg = ModelConfig(**opts["model"])
     pp, ep = opts["pp"], world // opts["pp"]
     pp_rank, ep_rank = divmod(rank, ep)
-    ep_groups = [dist.new_group(list(range(p * ep, (p + 1) * ep))) for p in range(pp)]
-    pp_groups = [dist.new_group(list(range(e, world, ep))) for e in range(ep)]
+    timeout = datetime.timedelta(seconds=opts["timeout_s"])  # (a new group's default is torch's: 10-30 minutes)
+    ep_groups = [dist.new_group(list(range(p * ep, (p + 1) * ep)), timeout=timeout) for p in range(pp)]
+    pp_groups = [dist.new_group(list(range(e, world, ep)), timeout=timeout) for e in range(ep)]
     ep_group, pp_group = ep_groups[pp_rank], pp_groups[ep_rank]
     device = torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
 
@@ -102,7 +104,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         stage.runner = runner
         for block in stage.blocks:
             block.moe.buffer = buffer
-    pipe = DualPipeV((m0, m1), process_group=pp_group)
+    pipe = DualPipeV((m0, m1), process_group=pp_group, timeout_s=opts["timeout_s"])
     params = list({id(p): p for m in (m0, m1) for p in m.parameters()}.values())
     expert_params = {id(p) for m in (m0, m1) for b in m.blocks for p in b.moe.experts.parameters()}
     replicated = [p for p in params if id(p) not in expert_params]
@@ -161,10 +163,12 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         loss, _ = pipe.step(inputs, num_chunks=chunks, criterion=criterion, labels=(labels,))
         step_loss = loss.sum().detach() if loss is not None else torch.zeros((), device=device)
         if ep > 1:
-            _all_reduce_grads(replicated, ep_group)
-            dist.all_reduce(step_loss, group=ep_group)
+            with _phase(rank, f"step {step}: summing the replicated gradients and the loss over the EP group"):
+                _all_reduce_grads(replicated, ep_group)
+                dist.all_reduce(step_loss, group=ep_group)
         optimizer.step()
-        update_biases(routers, ep_group if ep > 1 else None)
+        with _phase(rank, f"step {step}: updating the routers' biases"):
+            update_biases(routers, ep_group if ep > 1 else None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -186,6 +190,15 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
                 chunks, wall, ep)
     if budget is not None:
         budget.close()
+
+
+@contextlib.contextmanager
+def _phase(rank: int, what: str):
+    """A collective's failure (gloo raises one after the group's timeout) re-raised naming the rank and ``what``."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise RuntimeError(f"rank {rank}: {what}: {error}") from error
 
 
 def _all_reduce_grads(params, group) -> None:
@@ -314,14 +327,16 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         pp: DualPipeV pipeline ranks (1: each process runs both legs of the V itself).
         chunks: micro-batches per step (>= 2 * pp); batch: sequences per EP rank per step (divisible by chunks).
         model: overrides of `ModelConfig` fields.
-        timeout_s: bound on every wait for a peer (process-group init, EP, pipeline).
+        timeout_s: bound on every wait for a peer: the process groups' timeout (init, the EP and pipeline groups),
+            the EP buffer's and the pipeline's waits.
     """
     for name, value in (("steps", steps), ("world_size", world_size), ("pp", pp), ("chunks", chunks), ("batch", batch),
                         ("comm_sms", comm_sms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0) or not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"timeout_s and lr must be numbers > 0, got timeout_s={timeout_s!r}, lr={lr!r}")
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")) or not (
+            isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"timeout_s and lr must be finite numbers > 0, got timeout_s={timeout_s!r}, lr={lr!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,7 +1,7 @@
 """Pipeline parallelism: DualPipe / DualPipeV runtimes, zero-bubble weight-gradient deferral, and
 a schedule simulator that times the very op lists the runtimes execute."""
 
-from .dualpipe import DualPipe, DualPipeV, run_backward, sum_stage_copies
+from .dualpipe import DualPipe, DualPipeV, PipelineError, PipelineTimeoutError, run_backward, sum_stage_copies
 from .schedule import (
     KINDS,
     SYNCS,
@@ -25,6 +25,8 @@ __all__ = [
     "Linear",
     "Message",
     "Op",
+    "PipelineError",
+    "PipelineTimeoutError",
     "Simulation",
     "WeightGradStore",
     "comm_plan",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,23 @@ def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
+class PipelineError(RuntimeError):
+    """A message or collective of a pipeline step failed (a peer's connection, or no answer in time).
+
+    Attributes:
+        rank: the pipeline rank that raised it.
+        phase: what it was doing (e.g. "receiving act of chunk 3 from pipeline rank 1").
+    """
+
+    def __init__(self, message: str, rank: int, phase: str) -> None:
+        super().__init__(message)
+        self.rank, self.phase = rank, phase
+
+
+class PipelineTimeoutError(PipelineError, TimeoutError):
+    """A peer did not answer within the pipeline's `timeout_s` (or, without one, the process group's timeout)."""
+
+
 def _encode_header(tensors: list[torch.Tensor], device) -> torch.Tensor:
     code = [len(tensors)]
     for t in tensors:
@@ -60,9 +79,12 @@ class _Pipeline(nn.Module):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None,
-                 rank_mapping: list[int] | None = None) -> None:
+                 rank_mapping: list[int] | None = None, *, timeout_s: float | None = None) -> None:
         super().__init__()
         name = type(self).__name__
+        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                                      or not 0 < timeout_s < math.inf):
+            raise ValueError(f"{name}: timeout_s must be a finite number of seconds > 0 or None, got {timeout_s!r}")
         if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
                 isinstance(m, nn.Module) for m in modules):
             raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
@@ -81,6 +103,8 @@ class _Pipeline(nn.Module):
         self.batch_dim = batch_dim
         self.group = process_group or dist.group.WORLD
         self.num_ranks = self.group.size()
+        self.timeout_s = timeout_s
+        self._host_waits = str(dist.get_backend(self.group)).lower() != "nccl"  # gloo: the host waits for a message
         if rank_mapping is None:
             rank_mapping = list(range(self.num_ranks))
         if sorted(rank_mapping) != list(range(self.num_ranks)):
@@ -237,6 +261,31 @@ class _Pipeline(nn.Module):
             raise ValueError(f"{name}.step: inputs and labels on rank {self.rank} must have the same size along "
                              f"batch_dim {self.batch_dim}, got {sizes}")
 
+    def _post(self, ops: list, what: str) -> list:
+        """`dist.batch_isend_irecv(ops)`; a failure (a peer's connection already closed) raises `PipelineError`
+        naming this rank and ``what``."""
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as error:
+            raise PipelineError(f"{type(self).__name__} rank {self.rank}: {what}: {error}", self.rank, what) from error
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for one message or collective (``what`` names it in errors). Where the host waits (gloo), at most
+        `timeout_s` (without one, the process group's timeout); on NCCL only the current stream waits and the host
+        runs on (a peer that never sends is then ended by NCCL's watchdog after the process group's timeout). A
+        failure raises `PipelineTimeoutError` or `PipelineError` naming this rank and ``what``."""
+        try:
+            if self._host_waits and self.timeout_s is not None:
+                work.wait(timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
+        except RuntimeError as error:
+            if isinstance(error, PipelineError):
+                raise
+            kind = PipelineTimeoutError if "timed out" in str(error).lower() else PipelineError
+            limit = f" (timeout_s={self.timeout_s:g})" if self.timeout_s is not None else ""
+            raise kind(f"{type(self).__name__} rank {self.rank}: {what}{limit}: {error}", self.rank, what) from error
+
     def _agree_on_args(self, error: Exception | None, num_chunks: int, forward_only: bool) -> None:
         """All ranks learn whether any rank's step arguments are invalid, and whether all ranks ask for the same
         num_chunks and the same mode (training or forward only), so that all raise before the first p2p
@@ -245,7 +294,13 @@ class _Pipeline(nn.Module):
         words = torch.tensor([0 if error is None else self.rank + 1, num_chunks, -num_chunks, int(forward_only),
                               -int(forward_only)], device=self.device)
         if self.num_ranks > 1:
-            dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group)
+            what = "agreeing with every rank on the step's arguments"
+            try:
+                work = dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            except RuntimeError as error:
+                raise PipelineError(f"{type(self).__name__} rank {self.rank}: {what}: {error}", self.rank,
+                                    what) from error
+            self._wait(work, what)
         if error is not None:
             raise error
         flag, most, least, any_forward_only, all_forward_only = words.tolist()
@@ -381,8 +436,9 @@ class _Pipeline(nn.Module):
         sent: list[tuple[int, int]] = []
         sends = []
         for sub in header_first(batch, self._known_streams):
-            ops, headers = [], []
+            ops, headers, labels = [], [], []  # labels[i]: what ops[i] does, for errors
             for direction, msg, is_header in sub:
+                what = f"{msg.kind}{' header' if is_header else ''} of chunk {msg.chunk}"
                 if direction == "send":
                     peer = self._peer[msg.dst]
                     if msg.kind == "act":
@@ -401,12 +457,14 @@ class _Pipeline(nn.Module):
                     else:
                         tensors = self._in_grads.pop((msg.src_module, msg.chunk))
                     ops += [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t in tensors]
+                    labels += [f"sending {what} to pipeline rank {msg.dst}"] * len(tensors)
                 else:
                     peer = self._peer[msg.src]
                     if is_header:
                         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
                         headers.append(((msg.src, msg.src_module), buf))
                         ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
+                        labels.append(f"receiving {what} from pipeline rank {msg.src}")
                         continue
                     if msg.kind == "act":
                         meta = self._stream_meta[("in", msg.src, msg.src_module)]
@@ -418,17 +476,18 @@ class _Pipeline(nn.Module):
                         bufs = [torch.empty(s, dtype=d, device=device) for s, d in meta]
                         self._out_grads[(msg.dst_module, msg.chunk)] = bufs
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
+                    labels += [f"receiving {what} from pipeline rank {msg.src}"] * len(bufs)
             if ops:
-                works = dist.batch_isend_irecv(ops)
+                works = self._post(ops, "; ".join(sorted(set(labels))))
                 if len(works) != len(ops):  # NCCL coalesces a batch into one work: wait on it
                     for work in works:  # (on a GPU this only makes the current stream wait)
-                        work.wait()
+                        self._wait(work, "; ".join(sorted(set(labels))))
                     works = []
-                for op, work in zip(ops, works):
+                for op, work, label in zip(ops, works, labels):
                     if op.op is dist.irecv:
-                        work.wait()
+                        self._wait(work, label)
                     else:
-                        sends.append((work, op.tensor))  # the tensor must live until sent
+                        sends.append((work, op.tensor, label))  # the tensor must live until sent
             for (src, src_module), buf in headers:
                 self._stream_meta[("in", src, src_module)] = _decode_header(buf)
         for msg in batch.recvs:
@@ -442,8 +501,8 @@ class _Pipeline(nn.Module):
         """Wait for the previous batch's sends (the CPU does not block on sends when it posts
         them), then free the outputs they carried."""
         works, sent = self._pending_sends
-        for work, _ in works:
-            work.wait()
+        for work, _, label in works:
+            self._wait(work, label)
         for key in sent:
             self._release_output(key)
         self._pending_sends = ([], [])
@@ -478,6 +537,12 @@ class DualPipe(_Pipeline):
     batch_dim: dimension along which inputs and labels are split into micro-batches.
     process_group: the pipeline's ranks (default: the world); needs an even size.
     rank_mapping: rank_mapping[i] is the pipeline rank of process-group rank i (default identity).
+    timeout_s: (keyword only) the longest wait for a peer's message or collective where the host
+      waits (gloo), in seconds; None: the process group's timeout. A failed or timed-out wait
+      raises `PipelineError` / `PipelineTimeoutError` naming the rank and what it waited for. On
+      NCCL the host does not wait for messages (the GPU does): a peer that never sends is ended
+      by NCCL's watchdog after the process group's timeout, so set that one
+      (`init_process_group(timeout=...)`, `new_group(timeout=...)`).
 
     Stage outputs must be a tensor or a tuple/list of tensors; what a rank sends is learned on the
     first step (see `reset_shapes`). Works with any backend that has p2p (NCCL, gloo).
@@ -510,9 +575,10 @@ def sum_stage_copies(pipe: _Pipeline) -> None:
     mine = torch.tensor([len(params), sum(p.numel() for p in params)], device=pipe.device)
     theirs = torch.empty_like(mine)
     peer = pipe._peer[partner]
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, pipe.group),
-                                        dist.P2POp(dist.irecv, theirs, peer, pipe.group)]):
-        work.wait()
+    what = f"sum_stage_copies: exchanging parameter counts with mirror rank {partner}"
+    for work in pipe._post([dist.P2POp(dist.isend, mine, peer, pipe.group),
+                            dist.P2POp(dist.irecv, theirs, peer, pipe.group)], what):
+        pipe._wait(work, what)
     if not torch.equal(mine, theirs):
         raise ValueError(f"sum_stage_copies: rank {pipe.rank} holds {mine.tolist()} (parameters, "
                          f"elements) but its mirror rank {partner} holds {theirs.tolist()}; the two "
@@ -521,7 +587,8 @@ def sum_stage_copies(pipe: _Pipeline) -> None:
     received = [torch.empty_like(g) for g in grads]
     ops = [dist.P2POp(dist.isend, g.contiguous(), peer, pipe.group) for g in grads]
     ops += [dist.P2POp(dist.irecv, r, peer, pipe.group) for r in received]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    what = f"sum_stage_copies: exchanging gradients with mirror rank {partner}"
+    for work in pipe._post(ops, what):
+        pipe._wait(work, what)
     for p, g, r in zip(params, grads, received):
         p.grad = g + r
