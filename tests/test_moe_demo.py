@@ -20,8 +20,8 @@ def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path):
 
 
 def _stalling_worker(rank, world, port, opts, out_dir):
-    """The demo's own worker; rank 1 stalls 12 s before the EP gradient all-reduce of its first step. Each rank
-    writes what it raised and when."""
+    """The demo's own worker; rank 1 stalls before the EP gradient all-reduce of its first step until rank 0 has
+    given up (at most 20 s). Each rank writes what it raised and when."""
     import time
 
     import smsplit.moe.train as train
@@ -29,8 +29,9 @@ def _stalling_worker(rank, world, port, opts, out_dir):
     real = train._all_reduce_grads
 
     def stalled(params, group):
-        if rank == 1:
-            time.sleep(12)
+        end = time.monotonic() + 20
+        while rank == 1 and not (out_dir / "rank0.json").exists() and time.monotonic() < end:
+            time.sleep(0.05)
         return real(params, group)
 
     train._all_reduce_grads = stalled
@@ -50,9 +51,17 @@ def test_a_stalled_peer_ends_the_demo_within_timeout_s_naming_the_rank_and_phase
     from smsplit.ep.testing import free_port
 
     opts = dict(out_dir=str(tmp_path / "report"), steps=2, device="cpu", world_size=2, pp=1, chunks=2, batch=8,
-                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=3, ep_backend="reference")
+                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=5, ep_backend="reference")
     mp.spawn(_stalling_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["error"] == "RuntimeError" and rank0["message"].startswith(
         "rank 0: step 0: summing the replicated gradients"), rank0
-    assert rank0["elapsed"] < 11, rank0  # bounded by timeout_s (3 s) and the set-up, not the peer's 12 s
+    assert rank0["elapsed"] < 15, rank0  # bounded by timeout_s (5 s) and the set-up, not by the stalled peer
+
+
+def test_bad_timeouts_are_refused_before_any_process_starts(tmp_path):
+    import pytest
+
+    for bad in (0, -1, float("inf"), float("nan"), 1e15, True, "60"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            run_demo(str(tmp_path), steps=1, device="cpu", progress=False, timeout_s=bad)

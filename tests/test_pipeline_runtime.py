@@ -526,47 +526,58 @@ def test_ranks_without_inputs_fail_with_the_rank_that_has_them():
 # a peer that stalls: every wait of the step is bounded by timeout_s and named
 
 
-class SlowStage(Stage):
-    """Stage whose forward stalls for `delay` seconds on the rank that holds it (a peer that hangs)."""
+def wait_for_file(path: str, limit_s: float = 20.0) -> None:
+    """Stall (a peer that hangs) until ``path`` exists, at most ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
 
-    delay = 0.0
+
+class SlowStage(Stage):
+    """Stage whose forward, on a rank that sets `stall_until`, stalls until that file exists."""
+
+    stall_until = None
 
     def forward(self, x, skip):
-        time.sleep(type(self).delay)
+        if type(self).stall_until:
+            wait_for_file(type(self).stall_until)
         return super().forward(x, skip)
 
 
-def case_stalled_peer(rank, world, where):
+def case_stalled_peer(rank, world, where, done_file):
     """DualPipeV on a subgroup (whose own timeout is torch's default, 30 minutes) with timeout_s=2: rank 1
-    stalls 6 s, before its step ("step") or inside its stage's forward ("forward"). Returns, per rank, the error
-    it raised (type, rank, phase) and how long the step took."""
+    stalls, before its step ("step") or inside its stage's forward ("forward"), until rank 0 has given up
+    (``done_file``). Returns, per rank, the error it raised (type, rank, phase) and how long the step took."""
     from smsplit.pipeline import PipelineError
 
     group = dist.new_group([0, 1])
-    SlowStage.delay = 6.0 if (where == "forward" and rank == 1) else 0.0
+    SlowStage.stall_until = done_file if (where == "forward" and rank == 1) else None
     stages = [SlowStage() for _ in range(2 * world)]
     s0, s1 = stage_ids("dualpipev", world, rank)
     pipe = DualPipeV((stages[s0], stages[s1]), process_group=group, timeout_s=2.0)
     data = make_data("dualpipev", world, 4)
     inputs, labels = step_args("dualpipev", world, rank, data)
     if where == "step" and rank == 1:
-        time.sleep(6.0)
+        wait_for_file(done_file)
         return None
     start = time.monotonic()
     try:
         pipe.step(*inputs, num_chunks=4, criterion=criterion, labels=labels)
     except PipelineError as error:
         return type(error).__name__, error.rank, error.phase, str(error), time.monotonic() - start
+    finally:
+        if rank == 0:
+            open(done_file, "w").close()
     return "no error", time.monotonic() - start
 
 
 @pytest.mark.parametrize("where", ["step", "forward"])
-def test_a_stalled_peer_raises_a_named_timeout_within_timeout_s(where):
+def test_a_stalled_peer_raises_a_named_timeout_within_timeout_s(where, tmp_path):
     from smsplit.ep.testing import ProcessPool
 
     pool = ProcessPool(2)  # its own processes: the abandoned messages stay there
     try:
-        results = pool.run(case_stalled_peer, where, timeout_s=60)
+        results = pool.run(case_stalled_peer, where, str(tmp_path / "rank0_done"), timeout_s=60)
     finally:
         pool.close(graceful=False)
     kind, rank, phase, message, elapsed = results[0]
@@ -582,6 +593,6 @@ def test_a_stalled_peer_raises_a_named_timeout_within_timeout_s(where):
 
 
 def test_timeout_s_must_be_finite_and_positive():
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+    for bad in (0, -1.0, float("inf"), float("nan"), 1e15, True, "2"):
         with pytest.raises(ValueError, match="timeout_s"):
             DualPipeV((Stage(), Stage()), timeout_s=bad)  # (checked before the process group is needed)

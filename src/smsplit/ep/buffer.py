@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8 as fp8_lib
+from ..timeouts import timeout_problem
 from .event import EventOverlap
 from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combine_row_bytes,
                      compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
@@ -37,7 +38,6 @@ ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 NVLINK_MAX_TOPK = 16
-MAX_TIMEOUT_S = 365 * 24 * 3600.0  # the longest timeout_s: a year
 
 
 def _reject(argument: str, message: str) -> EPArgumentError:
@@ -270,7 +270,7 @@ class Buffer:
                 an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.
                 "nvlink" and "nvlink_copy_engine" can be captured in CUDA graphs (see `dispatch`).
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`: finite, at most
-                `MAX_TIMEOUT_S` (a year; the waits hand it to gloo and to the kernels as nanoseconds).
+                `smsplit.timeouts.MAX_TIMEOUT_S` (a year; the waits hand it to gloo and to the kernels as nanoseconds).
 
         DeepEP's keyword arguments whose position differs between its versions, by keyword only:
             use_fabric, enable_shrink, comm: accepted and ignored (fabric memory, elastic ranks, MPI bootstrap).
@@ -280,13 +280,14 @@ class Buffer:
             group = dist.group.WORLD
         error = None  # an argument error: raised on every rank after the first header exchange (below)
         try:
-            if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
-                    or not 0 < timeout_s <= MAX_TIMEOUT_S):
-                bad_timeout, timeout_s = timeout_s, 60.0  # (the exchange that tells the other ranks needs a bound)
-                raise _reject("timeout_s", f"expected a number of seconds in (0, {MAX_TIMEOUT_S:g}], got "
-                                           f"{bad_timeout!r}")
+            problem = timeout_problem(timeout_s)
+            if problem:
+                timeout_s = 60.0  # (the exchange that tells the other ranks needs a bound)
+                raise _reject("timeout_s", problem)
             if num_rdma_bytes != 0:
-                raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r}")
+                raise _reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r} "
+                                                f"(the third positional argument, as in DeepEP; num_sms and smsplit's "
+                                                f"other arguments are keyword-only)")
             if low_latency_mode:
                 raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels "
                                                   "exist here")

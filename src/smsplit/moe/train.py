@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from smsplit.moe.model import ModelConfig, build_stages
+from smsplit.timeouts import timeout_problem
 from smsplit.moe.overlap import COMM, PieceRunner
 from smsplit.moe.router import update_biases
 
@@ -334,9 +335,10 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
                         ("comm_sms", comm_sms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")) or not (
-            isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"timeout_s and lr must be finite numbers > 0, got timeout_s={timeout_s!r}, lr={lr!r}")
+    if timeout_problem(timeout_s):
+        raise ValueError(f"timeout_s: {timeout_problem(timeout_s)}")
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

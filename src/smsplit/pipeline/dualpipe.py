@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from ..timeouts import timeout_problem
 from .schedule import (
     Batch,
     Op,
@@ -82,9 +82,8 @@ class _Pipeline(nn.Module):
                  rank_mapping: list[int] | None = None, *, timeout_s: float | None = None) -> None:
         super().__init__()
         name = type(self).__name__
-        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
-                                      or not 0 < timeout_s < math.inf):
-            raise ValueError(f"{name}: timeout_s must be a finite number of seconds > 0 or None, got {timeout_s!r}")
+        if timeout_s is not None and timeout_problem(timeout_s):
+            raise ValueError(f"{name}: timeout_s: {timeout_problem(timeout_s)} (or None)")
         if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
                 isinstance(m, nn.Module) for m in modules):
             raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
@@ -104,7 +103,6 @@ class _Pipeline(nn.Module):
         self.group = process_group or dist.group.WORLD
         self.num_ranks = self.group.size()
         self.timeout_s = timeout_s
-        self._host_waits = str(dist.get_backend(self.group)).lower() != "nccl"  # gloo: the host waits for a message
         if rank_mapping is None:
             rank_mapping = list(range(self.num_ranks))
         if sorted(rank_mapping) != list(range(self.num_ranks)):
@@ -275,7 +273,7 @@ class _Pipeline(nn.Module):
         runs on (a peer that never sends is then ended by NCCL's watchdog after the process group's timeout). A
         failure raises `PipelineTimeoutError` or `PipelineError` naming this rank and ``what``."""
         try:
-            if self._host_waits and self.timeout_s is not None:
+            if self.timeout_s is not None and self.device.type != "cuda":  # (CUDA tensors: NCCL, the GPU waits)
                 work.wait(timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
