@@ -90,7 +90,7 @@ def layout_args(buffer, topk, num_experts):
 
 def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alignment=1, num_worst_tokens=0):
     """One dispatch + combine on `buffer` (inputs moved to `buffer.device`), checked against the oracle on the
-    CPU. Returns the handle."""
+    CPU. Returns the handle and the call's outputs as the buffer returned them (on its device: to poison)."""
     device = buffer.device
     x, topk, w = inputs[rank]
     ref_x, ref_idx, ref_w, ref_per_expert, ref_src = expected_dispatch(inputs, rank, world_size, num_experts)
@@ -103,6 +103,7 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
         num_worst_tokens=num_worst_tokens, fp8=(mode in ("fp8", "fp8_dequantize")),
         dequantize=(mode == "fp8_dequantize"), **layout_args(buffer, topk.to(device), num_experts))
     event.current_stream_wait()
+    outputs = [*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_idx, recv_w]
     recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
     recv_idx, recv_w = recv_idx.cpu(), recv_w.cpu()
     rows = num_worst_tokens if num_worst_tokens else n_recv
@@ -145,14 +146,14 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
     combined, combined_w, event = buffer.combine((values * (rank + 1)).to(device), handle,
                                                  topk_weights=recv_w.to(device))
     event.current_stream_wait()
+    outputs += [combined, combined_w]
     combined, combined_w = combined.cpu(), combined_w.cpu()
     ref_out, ref_out_w = expected_combine(own_inputs, rank, world_size, num_experts,
                                           lambda q, row: (row.to(values.dtype) * (q + 1)).float())
     assert combined.dtype == values.dtype and combined.shape == x.shape
     torch.testing.assert_close(combined, ref_out.to(values.dtype), rtol=0, atol=0)
     torch.testing.assert_close(combined_w, ref_out_w, rtol=1e-6, atol=1e-6)
-    received = [*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_idx, recv_w, combined, combined_w]
-    return handle, received
+    return handle, outputs
 
 
 # -- cases (run on every rank of a pool) ---------------------------------------------------------------------
@@ -169,7 +170,8 @@ def case_dispatch_combine(rank, world_size, seed, num_tokens, hidden, num_expert
 
 def case_reuse_and_cached(rank, world_size, seed, rounds):
     """One buffer, many rounds with changing layouts and shapes; outputs of earlier rounds are poisoned in place
-    (a transport that aliased them into the next round would be caught); cached-handle dispatches in between."""
+    (a transport that aliased them into the next round would be caught); cached-handle dispatches in between.
+    Gloo (CPU tensors) or NCCL (CUDA tensors of the current device)."""
     hint = Buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
     buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, timeout_s=10)
     g = torch.Generator().manual_seed(seed)
@@ -190,20 +192,21 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
 
         # Cached mode: new values along the same layout land in the same rows.
         x_new = torch.randn(inputs[rank][0].shape).to(dtype)  # rank-local values; `g` must stay in step
-        recv_new, recv_idx, recv_w, per_expert, same_handle, _ = buffer.dispatch(x_new, handle=handle)
+        recv_new, recv_idx, recv_w, per_expert, same_handle, _ = buffer.dispatch(x_new.to(buffer.device),
+                                                                                 handle=handle)
         assert recv_idx is None and recv_w is None and per_expert is None and same_handle is handle
         # Oracle for the cached rows: the same (source, token) order as the uncached dispatch.
         _, _, _, _, src = expected_dispatch(inputs, rank, world_size, num_experts)
         gathered = [torch.empty(0)] * world_size
         dist.all_gather_object(gathered, x_new)
         expected_rows = torch.stack([gathered[s][t] for s, t in src]) if src else torch.empty(0, hidden, dtype=dtype)
-        assert torch.equal(recv_new, expected_rows)
+        assert torch.equal(recv_new.cpu(), expected_rows)
         previous.append(recv_new)
         # a cached dispatch that quantizes: the same rows, quantized as `quantize_1x128` does
-        (recv_fp8, recv_scales), *_ = buffer.dispatch(x_new, handle=handle, fp8=True)
+        (recv_fp8, recv_scales), *_ = buffer.dispatch(x_new.to(buffer.device), handle=handle, fp8=True)
         ref_fp8, ref_scales = fp8_lib.quantize_1x128(expected_rows)
-        assert torch.equal(recv_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
-        assert torch.equal(recv_scales, ref_scales)
+        assert torch.equal(recv_fp8.view(torch.uint8).cpu(), ref_fp8.view(torch.uint8))
+        assert torch.equal(recv_scales.cpu(), ref_scales)
         previous += [recv_fp8.view(torch.uint8), recv_scales]
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
