@@ -14,6 +14,7 @@ import torch.distributed as dist
 from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
 from smsplit.ep.testing import gloo_pool
 from smsplit.ep.utils import EventHandle  # where DeepEP code imports it from (deep_ep.utils)
+from smsplit.fp8 import dequantize_1x128, quantize_1x128
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 8, 256, 3, 6
 
@@ -73,6 +74,13 @@ def deepep_style_calls(rank, world_size):
     assert torch.allclose(combined_weights, expected_weights, rtol=0, atol=1e-6)
     cached = buffer.dispatch(x, handle, config=None)[0]
     assert torch.equal(cached, recv_x)
+    # a combine's backward as DeepEP's README writes it: a cached dispatch after an event, on the comm stream
+    grad, _, _, _, _, event = buffer.dispatch(x * 2, handle=handle, async_finish=True, previous_event=event,
+                                              allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    assert torch.equal(grad, recv_x * 2)
+    (grad_fp8, grad_scales), *_ = buffer.dispatch(quantize_1x128(x), handle=handle)  # FP8 gradients, DeepEP's tuple
+    assert torch.equal(dequantize_1x128(grad_fp8, grad_scales), dequantize_1x128(*quantize_1x128(recv_x)))
     assert torch.equal(buffer.combine(recv_x, handle, config=None)[0], combined)
 
     buffer.destroy()
@@ -114,8 +122,9 @@ def test_calls_wait_for_previous_event_before_reading_inputs():
     gloo_pool(2).run(previous_event_first)
 
 
-def test_deepep_style_code_runs_after_an_import_change():
-    received = gloo_pool(2).run(deepep_style_calls)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deepep_style_code_runs_after_an_import_change(world_size):
+    received = gloo_pool(world_size).run(deepep_style_calls)
     assert all(n > 0 for n in received)
 
 
