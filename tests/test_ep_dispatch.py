@@ -341,6 +341,12 @@ def test_reference_backend_on_nccl(case):
     process_pool(world_size, "nccl").run(case_dispatch_combine, 1234 + DISPATCH_CASES.index(case), *params)
 
 
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_reference_backend_on_nccl_reuses_its_buffer_across_rounds():
+    process_pool(2, "nccl").run(case_reuse_and_cached, 79, 6)
+
+
 def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
     """The device kernels read rows in 16-byte vectors: a view that starts mid-vector or skips elements is copied
     (`buffer._dense`), an aligned contiguous tensor is passed as it is."""

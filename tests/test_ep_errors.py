@@ -346,3 +346,35 @@ def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel(world_
             assert f"the {backend} backend needs a hidden size that is a multiple of 128, got 200" in hidden
             assert "need" in size and f"backend={backend!r}" in size
             assert f"the {backend} backend moves up to 16 top-k columns, got 17" in topk
+
+
+def case_peer_never_arrives_on_nccl(rank, world_size, timeout_s, headers):
+    """`case_peer_never_arrives` on an NCCL group with CUDA tensors: the reference backend polls NCCL's work
+    against the deadline (headers through host shared memory, or through the group)."""
+    if headers == "group":
+        os.environ[ENV_SWITCH] = "0"
+    group = dist.new_group(backend="nccl")
+    buffer = Buffer(group, timeout_s=timeout_s)
+    absent = world_size - 1
+    if rank == absent:
+        return None
+    args = {k: v.cuda() for k, v in valid_call(rank, world_size).items()}
+    start = time.monotonic()
+    with pytest.raises(EPTimeoutError) as caught:
+        buffer.dispatch(**args)
+    assert caught.value.peer == absent and f"waiting for counts from rank {absent}" in str(caught.value)
+    return time.monotonic() - start
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("headers", ["shared_memory", "group"])
+def test_missing_peer_on_nccl_raises_timeout_naming_rank_and_phase(headers):
+    from smsplit.ep.testing import ProcessPool
+
+    pool = ProcessPool(2, "nccl")  # its own processes: the abandoned NCCL work stays there
+    try:
+        elapsed = pool.run(case_peer_never_arrives_on_nccl, 1.5, headers, timeout_s=60)
+    finally:
+        pool.close(graceful=False)
+    assert elapsed[1] is None and 1.4 <= elapsed[0] < 6.0, elapsed

@@ -621,26 +621,42 @@ def _assert_outputs_equal(got, expected, label):
             assert torch.equal(a, b), f"{label}: output {i} differs"
 
 
-def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
-    """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs, hidden size H."""
+def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="random"):
+    """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs: hidden size H, top-K, tokens
+    routed at random ("random"), every token to rank 0 ("one_rank"), or rank 0 sending none ("silent_rank")."""
     from smsplit.ep import Buffer
 
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
-    T, E, K = 256, 16, 6
+    T, E = 256, 16
     hint = Buffer.get_buffer_size_hint(T, H, world, K, backend=backend)
     fast = Buffer(group, num_nvl_bytes=hint, num_sms=8, backend=backend, timeout_s=30)
     ref = Buffer(group, backend="reference", timeout_s=30)
     for seed in range(3):
+        # the last seed's rows in the device buffer poisoned: this seed's results must not read any of them
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])  # (every peer done with them)
+        for transport in fast._nvlink_transports.values():
+            transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
         g = torch.Generator(device="cpu").manual_seed(100 * seed + rank)
         x, topk, w = _routed_tokens(g, T - 17 * rank - 30 * seed, H, E, K, dev)
-        outs = {}
+        if routing == "one_rank":
+            topk = torch.where(topk >= 0, topk % (E // world), topk)
+        elif routing == "silent_rank" and rank == 0:
+            topk = torch.full_like(topk, -1)
+        biases = [torch.randn(x.shape, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
+        grad_out = torch.randn(x.shape, generator=g).to(dev)
+        outs, with_bias = {}, {}
         for name, buf in ((backend, fast), ("reference", ref)):
             common = _layout_kwargs(buf, topk, w, E)
             bf16 = buf.dispatch(misaligned_copy(x), **common)  # the kernels read 16-byte vectors: the Buffer realigns
-            q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T)
+            q = buf.dispatch(x, **common, fp8=True, num_worst_tokens=world * T - 8 * seed)
             q32 = buf.dispatch(x.float() * 3.0, **common, fp8=True, dequantize=True)  # fp32 quantized in the kernel
             qin = buf.dispatch(quantize_1x128(x * 2), **common)  # FP8 input, DeepEP's (x_fp8, scales)
+            cached = buf.dispatch(x * 2, handle=bf16[4])[0]  # cached: new values along a layout made before
+            cached_q = buf.dispatch(x * 3, handle=q[4], fp8=True)[0]
             xg = x.clone().requires_grad_(True)
             recv, _, _, _, handle, _ = buf.dispatch(xg, **common)
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
@@ -656,19 +672,32 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048):
             cw_out = buf.combine(bf16[0], bf16[4], topk_weights=cw)[1]
             (cw_out * torch.arange(1.0, K + 1, device=dev)).pow(2).sum().backward()  # a dispatch of the weights only
             cw_grad = in_reference_order(cw.grad, bf16[4], rank) if name == "nvlink_copy_engine" else cw.grad
+            # a combine with two biases, differentiable in the rows and both biases
+            cb = bf16[0].clone().requires_grad_(True)
+            bias_g = tuple(b.clone().requires_grad_(True) for b in biases)
+            with_bias[name] = buf.combine(cb, bf16[4], bias=bias_g)[0]
+            (with_bias[name].float() * grad_out).sum().backward()
+            cb_grad = in_reference_order(cb.grad, bf16[4], rank) if name == "nvlink_copy_engine" else cb.grad
             if name == backend and seed == 0:  # wider than the peers' weight slots: rejected on every rank
                 with pytest.raises(ValueError, match="topk_weights"):
                     buf.combine(bf16[0], bf16[4], topk_weights=torch.rand(bf16[0].size(0), 17, device=dev))
             bf16_rows, q_rows, q32_rows = bf16[:3], (q[0][0].view(torch.uint8), q[0][1], q[1]), q32[0]
             qin_rows = (qin[0][0].view(torch.uint8), qin[0][1], qin[1])
+            cached_rows = (cached, cached_q[0].view(torch.uint8), cached_q[1])
             if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
+                cached_rows = (in_reference_order(cached, bf16[4], rank),
+                               *(in_reference_order(t, q[4], rank) for t in cached_rows[1:]))
                 bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
                 q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
                 q32_rows = in_reference_order(q32_rows, q32[4], rank)
                 qin_rows = [in_reference_order(t, qin[4], rank) for t in qin_rows]
             outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows,
-                          c32, c32_w, wr.grad, cw_grad)
+                          c32, c32_w, wr.grad, cw_grad, cb_grad, *(b.grad for b in bias_g), *cached_rows)
         _assert_outputs_equal(outs[backend], outs["reference"], f"seed {seed}")
+        # the device kernels round the sum to bf16 before the biases are added: one rounding more (half a unit in
+        # the last place of the sum); a wrong row or bias would be off by about 1
+        torch.testing.assert_close(with_bias[backend].float(), with_bias["reference"].float(), rtol=2 ** -7,
+                                   atol=2 ** -4)
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
@@ -722,6 +751,15 @@ def test_buffer_sm_count_follows_set_num_sms_and_config(backend):
 @pytest.mark.parametrize("hidden", [2048, 2176, 7168])
 def test_buffer_nvlink_backend_equals_reference_backend(hidden):
     mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink", hidden), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])
+@pytest.mark.parametrize("hidden,topk,routing", [(7168, 9, "random"), (2048, 1, "random"), (4096, 4, "one_rank"),
+                                                 (2048, 8, "silent_rank")])
+def test_buffer_device_backends_equal_reference_for_any_top_k_and_routing(backend, hidden, topk, routing):
+    mp.spawn(_buffer_worker, args=(2, free_port(), backend, hidden, topk, routing), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
@@ -1042,11 +1080,13 @@ def test_a_replay_whose_receive_passes_num_worst_tokens_raises_where_rows_are_lo
     mp.spawn(_overflow_worker, args=(2, free_port(), peer_sends), nprocs=2, join=True)
 
 
-def _buffer_graph_worker(rank, world, port):
-    """Buffer(backend="nvlink") with num_worst_tokens: get_dispatch_layout, dispatch, an "expert" and combine
-    captured in one CUDA graph, replayed with new tokens and routing, equal to Buffer(backend="reference") run
-    eagerly on the same inputs; a reference buffer refuses to be captured, naming the backend."""
+def _buffer_graph_worker(rank, world, port, fp8=False):
+    """Buffer(backend="nvlink") with num_worst_tokens: get_dispatch_layout, dispatch (BF16, or FP8 quantized in it
+    with ``fp8``), an "expert" and combine captured in one CUDA graph, replayed with new tokens and routing, equal to
+    Buffer(backend="reference") run eagerly on the same inputs; a reference buffer refuses to be captured, naming the
+    backend."""
     from smsplit.ep import Buffer, EPArgumentError
+    from smsplit.fp8 import dequantize_1x128
 
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
@@ -1068,27 +1108,33 @@ def _buffer_graph_worker(rank, world, port):
         w.copy_(torch.rand(T, K, generator=g))
 
     def step(buf):
+        """(*received rows, recv_topk_idx, recv_topk_weights, per-expert list, handle, combined, combined weights)"""
         recv_x, recv_k, recv_w, per_expert_list, handle, _ = buf.dispatch(
-            x, **_layout_kwargs(buf, topk, w, E, num_worst_tokens=worst))
-        y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
+            x, **_layout_kwargs(buf, topk, w, E, num_worst_tokens=worst), fp8=fp8)
+        values = dequantize_1x128(*recv_x, torch.float32) if fp8 else recv_x.float()
+        y = (values * (rank + 1)).to(torch.bfloat16)  # the "expert"
         out, out_w, _ = buf.combine(y, handle, topk_weights=recv_w)
-        return recv_x, recv_k, recv_w, per_expert_list, handle, out, out_w
+        rows = (recv_x[0].view(torch.uint8), recv_x[1]) if fp8 else (recv_x,)
+        return (*rows, recv_k, recv_w, per_expert_list, handle, out, out_w)
 
     fill(0)
     _warm_up(lambda: step(fast))  # the eager call first: it allocates the symmetric buffer and compiles
     graph, captured = _capture(lambda: step(fast), rank)
+    compared = [i for i in range(len(captured)) if i not in (len(captured) - 4, len(captured) - 3)]
     for round_ in range(1, 4):
         fill(round_)
         torch.cuda.synchronize()
         dist.barrier(device_ids=[rank])
-        captured[5].fill_(float("nan"))  # poison what the replay must overwrite
+        for i in compared:  # poison what the replay must overwrite
+            t = captured[i]
+            t.fill_(float("nan") if t.is_floating_point() else (0x7F if t.dtype == torch.uint8 else -7))
         graph.replay()
         fast.check_kernels()
         expected = step(ref)
-        for i in (0, 1, 2, 5, 6):
+        for i in compared:
             assert torch.equal(captured[i], expected[i]), f"round {round_}: output {i} differs"
-        assert captured[3] == expected[3] == []
-        assert torch.equal(captured[4].rank_prefix_matrix, expected[4].rank_prefix_matrix)
+        assert captured[-4] == expected[-4] == []
+        assert torch.equal(captured[-3].rank_prefix_matrix, expected[-3].rank_prefix_matrix)
     other = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(other):
@@ -1176,8 +1222,9 @@ def test_buffer_nvlink_copy_engine_replays_cached_calls_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_buffer_dispatch_and_combine_replay_in_a_cuda_graph():
-    mp.spawn(_buffer_graph_worker, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_buffer_dispatch_and_combine_replay_in_a_cuda_graph(fp8):
+    mp.spawn(_buffer_graph_worker, args=(2, free_port(), fp8), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
