@@ -12,7 +12,7 @@ timeout -s KILL 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_e
   > "$OUT/pytest_streams_session32.log" 2>&1
 echo "streams tests rc $?"; grep -E "PASSED|FAILED|ERROR|assert" "$OUT/pytest_streams_session32.log" | cut -c1-200 | head -20
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
-timeout -s KILL 380 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_nvlink.py -k "buffer" \
+timeout -s KILL 420 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_nvlink.py -k "buffer" \
   > "$OUT/pytest_streams_buffer_nvlink_session32.log" 2>&1
 echo "nvlink buffer tests rc $?"; grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_streams_buffer_nvlink_session32.log" | cut -c1-160
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
