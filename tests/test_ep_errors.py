@@ -115,13 +115,16 @@ def case_argument_errors(rank, world_size):
     return messages + [message]
 
 
-def case_peer_never_arrives(rank, world_size, timeout_s):
-    group = dist.new_group(backend="gloo")  # its connections break on timeout; the pool's group stays intact
+def case_peer_never_arrives(rank, world_size, timeout_s, backend="gloo"):
+    """The last rank never calls dispatch: the others raise EPTimeoutError naming it and the phase, and the buffer
+    is unusable after it. ``backend``: "gloo" (CPU tensors), or "nccl" (CUDA tensors: the reference backend polls
+    NCCL's work against the deadline)."""
+    group = dist.new_group(backend=backend)  # its connections break on timeout; the pool's group stays intact
     buffer = Buffer(group, timeout_s=timeout_s)
     absent = world_size - 1
     if rank == absent:
         return None
-    args = valid_call(rank, world_size)
+    args = {k: v.to(buffer.device) for k, v in valid_call(rank, world_size).items()}
     start = time.monotonic()
     with pytest.raises(EPTimeoutError) as caught:
         buffer.dispatch(**args)
@@ -348,24 +351,6 @@ def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel(world_
             assert f"the {backend} backend moves up to 16 top-k columns, got 17" in topk
 
 
-def case_peer_never_arrives_on_nccl(rank, world_size, timeout_s, headers):
-    """`case_peer_never_arrives` on an NCCL group with CUDA tensors: the reference backend polls NCCL's work
-    against the deadline (headers through host shared memory, or through the group)."""
-    if headers == "group":
-        os.environ[ENV_SWITCH] = "0"
-    group = dist.new_group(backend="nccl")
-    buffer = Buffer(group, timeout_s=timeout_s)
-    absent = world_size - 1
-    if rank == absent:
-        return None
-    args = {k: v.cuda() for k, v in valid_call(rank, world_size).items()}
-    start = time.monotonic()
-    with pytest.raises(EPTimeoutError) as caught:
-        buffer.dispatch(**args)
-    assert caught.value.peer == absent and f"waiting for counts from rank {absent}" in str(caught.value)
-    return time.monotonic() - start
-
-
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("headers", ["shared_memory", "group"])
@@ -374,7 +359,10 @@ def test_missing_peer_on_nccl_raises_timeout_naming_rank_and_phase(headers):
 
     pool = ProcessPool(2, "nccl")  # its own processes: the abandoned NCCL work stays there
     try:
-        elapsed = pool.run(case_peer_never_arrives_on_nccl, 1.5, headers, timeout_s=60)
+        if headers == "group":
+            elapsed = pool.run(case_through_the_group, case_peer_never_arrives, 1.5, "nccl", timeout_s=60)
+        else:
+            elapsed = pool.run(case_peer_never_arrives, 1.5, "nccl", timeout_s=60)
     finally:
         pool.close(graceful=False)
     assert elapsed[1] is None and 1.4 <= elapsed[0] < 6.0, elapsed

@@ -28,9 +28,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from smsplit.moe.model import ModelConfig, build_stages
-from smsplit.timeouts import timeout_problem
 from smsplit.moe.overlap import COMM, PieceRunner
 from smsplit.moe.router import update_biases
+from smsplit.timeouts import timeout_problem
 
 
 def synthetic_batch(cfg: ModelConfig, batch: int, seed: int, step: int, slot: int) -> torch.Tensor:
@@ -335,8 +335,8 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
                         ("comm_sms", comm_sms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if timeout_problem(timeout_s):
-        raise ValueError(f"timeout_s: {timeout_problem(timeout_s)}")
+    if problem := timeout_problem(timeout_s):
+        raise ValueError(f"timeout_s: {problem}")
     if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if device not in ("auto", "cpu", "cuda"):

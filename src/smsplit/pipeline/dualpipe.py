@@ -82,8 +82,8 @@ class _Pipeline(nn.Module):
                  rank_mapping: list[int] | None = None, *, timeout_s: float | None = None) -> None:
         super().__init__()
         name = type(self).__name__
-        if timeout_s is not None and timeout_problem(timeout_s):
-            raise ValueError(f"{name}: timeout_s: {timeout_problem(timeout_s)} (or None)")
+        if timeout_s is not None and (problem := timeout_problem(timeout_s)):
+            raise ValueError(f"{name}: timeout_s: {problem} (or None)")
         if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
                 isinstance(m, nn.Module) for m in modules):
             raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
@@ -259,11 +259,11 @@ class _Pipeline(nn.Module):
             raise ValueError(f"{name}.step: inputs and labels on rank {self.rank} must have the same size along "
                              f"batch_dim {self.batch_dim}, got {sizes}")
 
-    def _post(self, ops: list, what: str) -> list:
-        """`dist.batch_isend_irecv(ops)`; a failure (a peer's connection already closed) raises `PipelineError`
-        naming this rank and ``what``."""
+    def _start(self, what: str, collective: Callable, *args, **kwargs):
+        """``collective(*args, **kwargs)``, which posts messages or starts a collective (``what`` names it in
+        errors); a failure (a peer's connection already closed) raises `PipelineError` naming this rank and ``what``."""
         try:
-            return dist.batch_isend_irecv(ops)
+            return collective(*args, **kwargs)
         except RuntimeError as error:
             raise PipelineError(f"{type(self).__name__} rank {self.rank}: {what}: {error}", self.rank, what) from error
 
@@ -293,12 +293,8 @@ class _Pipeline(nn.Module):
                               -int(forward_only)], device=self.device)
         if self.num_ranks > 1:
             what = "agreeing with every rank on the step's arguments"
-            try:
-                work = dist.all_reduce(words, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            except RuntimeError as error:
-                raise PipelineError(f"{type(self).__name__} rank {self.rank}: {what}: {error}", self.rank,
-                                    what) from error
-            self._wait(work, what)
+            self._wait(self._start(what, dist.all_reduce, words, op=dist.ReduceOp.MAX, group=self.group,
+                                   async_op=True), what)
         if error is not None:
             raise error
         flag, most, least, any_forward_only, all_forward_only = words.tolist()
@@ -476,10 +472,11 @@ class _Pipeline(nn.Module):
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
                     labels += [f"receiving {what} from pipeline rank {msg.src}"] * len(bufs)
             if ops:
-                works = self._post(ops, "; ".join(sorted(set(labels))))
+                batch_what = "; ".join(sorted(set(labels)))
+                works = self._start(batch_what, dist.batch_isend_irecv, ops)
                 if len(works) != len(ops):  # NCCL coalesces a batch into one work: wait on it
                     for work in works:  # (on a GPU this only makes the current stream wait)
-                        self._wait(work, "; ".join(sorted(set(labels))))
+                        self._wait(work, batch_what)
                     works = []
                 for op, work, label in zip(ops, works, labels):
                     if op.op is dist.irecv:
@@ -574,8 +571,8 @@ def sum_stage_copies(pipe: _Pipeline) -> None:
     theirs = torch.empty_like(mine)
     peer = pipe._peer[partner]
     what = f"sum_stage_copies: exchanging parameter counts with mirror rank {partner}"
-    for work in pipe._post([dist.P2POp(dist.isend, mine, peer, pipe.group),
-                            dist.P2POp(dist.irecv, theirs, peer, pipe.group)], what):
+    for work in pipe._start(what, dist.batch_isend_irecv, [dist.P2POp(dist.isend, mine, peer, pipe.group),
+                                                          dist.P2POp(dist.irecv, theirs, peer, pipe.group)]):
         pipe._wait(work, what)
     if not torch.equal(mine, theirs):
         raise ValueError(f"sum_stage_copies: rank {pipe.rank} holds {mine.tolist()} (parameters, "
@@ -586,7 +583,7 @@ def sum_stage_copies(pipe: _Pipeline) -> None:
     ops = [dist.P2POp(dist.isend, g.contiguous(), peer, pipe.group) for g in grads]
     ops += [dist.P2POp(dist.irecv, r, peer, pipe.group) for r in received]
     what = f"sum_stage_copies: exchanging gradients with mirror rank {partner}"
-    for work in pipe._post(ops, what):
+    for work in pipe._start(what, dist.batch_isend_irecv, ops):
         pipe._wait(work, what)
     for p, g, r in zip(params, grads, received):
         p.grad = g + r
