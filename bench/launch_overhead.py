@@ -2,9 +2,10 @@
 time per eager call go (BENCHMARKS.md §2). Each step is called ``--reps`` times back to back and the host time per
 call is the median of 5 such loops (``time.perf_counter``; the GPU work is queued, never waited for inside a loop):
 
-* ``dispatch_kernel`` (45 arguments) launched through Triton's JIT (`JITFunction.run`: argument binding and
-  specialization, the cache key, the launch), and the same compiled kernel launched directly
-  (``CompiledKernel.run`` with the bound arguments), and the pieces of the JIT path alone;
+* ``dispatch_kernel`` (50 arguments) launched through Triton's JIT (`JITFunction.run`: argument binding and
+  specialization, the cache key, the launch), through `smsplit.launch.FastLaunch` (since session 33), and the
+  same compiled kernel launched directly (``CompiledKernel.run`` with the bound arguments), and the pieces of the
+  JIT path alone;
 * ``bump_kernel`` (1 argument) through the JIT;
 * a 4-byte ``cuMemcpyDtoDAsync`` through cuda-bindings (as the copy-engine steps make them), an event record, a
   stream wait, ``torch.empty``.
@@ -52,6 +53,7 @@ def main():
 
     from smsplit.ep import nvlink
     from smsplit.ep.copy_engine import StreamOps
+    from smsplit.launch import FastLaunch
 
     s = setup(args.tokens, 7168, 256, 8)
     T, H = s["x"].shape
@@ -72,6 +74,11 @@ def main():
     values = list(bound_args.values())
     run = compiled.run
 
+    fast = FastLaunch(nvlink.dispatch_kernel)
+
+    def fast_launch():
+        fast(P, *positional, **launch_kwargs)
+
     def direct_launch():
         stream = driver.active.get_current_stream(device)
         run(P, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
@@ -84,16 +91,20 @@ def main():
     event = torch.cuda.Event()
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
+    fast_bump = FastLaunch(nvlink.bump_kernel)
+
     def bump():
         nvlink.bump_kernel[(1,)](counter, num_warps=1)
 
     steps = {
         "dispatch_kernel_jit": jit_launch,
+        "dispatch_kernel_fastlaunch": fast_launch,
         "dispatch_kernel_direct": direct_launch,
         "jit_get_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
         "jit_binder": lambda: binder(*positional, **kw),
         "jit_cache_key": lambda: compute_cache_key(kernel_key_cache, specialization, options),
         "bump_kernel_jit": bump,
+        "bump_kernel_fastlaunch": lambda: fast_bump(1, counter, num_warps=1),
         "cuMemcpyDtoDAsync_4B": lambda: ops.memcpy(stream, dst.data_ptr(), src.data_ptr(), 4),
         "event_record": lambda: event.record(stream),
         "stream_wait_stream": lambda: other.wait_stream(stream),

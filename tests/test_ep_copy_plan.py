@@ -23,6 +23,7 @@ def transport(rank, num_ranks, max_tokens, copy_share=0.7):
     t.combine_chunks = None
     t.e4m3_store_bytes = 16
     t.status = torch.zeros(4, dtype=torch.int32)
+    t._status_words = t.status.numpy()
     t.device = torch.device("cpu")
     return t
 

@@ -144,20 +144,22 @@ def test_a_timed_out_wait_is_named_by_what_it_waited_for():
     (this rank's or a peer's receive size passed num_worst_tokens) are ValueErrors. The host side alone, on the CPU."""
     transport = nvlink.NvlinkTransport.__new__(nvlink.NvlinkTransport)
     transport.rank, transport.timeout_s = 0, 5.0
+    transport.status = torch.zeros(4, dtype=torch.int32)  # (pinned on a GPU machine; the kernels write it)
+    transport._status_words = transport.status.numpy()
     for code, text in nvlink.WAITS.items():
-        transport.status = torch.tensor([code, 1, 41, 42], dtype=torch.int32)
+        transport.status.copy_(torch.tensor([code, 1, 41, 42]))
         with pytest.raises(nvlink.EPTimeoutError) as caught:
             transport.raise_if_failed()
         assert caught.value.peer == 1 and caught.value.phase == text.format(peer=1) + " (saw 41, expected 42)"
         assert str(caught.value).startswith("rank 0: ") and "timeout_s=5" in str(caught.value)
     assert len({text.split(":")[0] for text in nvlink.WAITS.values()}) == 3  # notify, dispatch, combine
-    transport.status = torch.tensor([4, 9000, 8192, 0], dtype=torch.int32)
+    transport.status.copy_(torch.tensor([4, 9000, 8192, 0]))
     with pytest.raises(ValueError, match="num_worst_tokens: rank 0 receives 9000 tokens, more than num_worst_tokens=8192"):
         transport.raise_if_failed()
-    transport.status = torch.tensor([10, 1, 0, 0], dtype=torch.int32)  # a peer's receive passed its num_worst_tokens
+    transport.status.copy_(torch.tensor([10, 1, 0, 0]))  # a peer's receive passed its num_worst_tokens
     with pytest.raises(ValueError, match="rank 1 received more tokens than its num_worst_tokens, so rank 0's combine"):
         transport.raise_if_failed()
-    transport.status = torch.zeros(4, dtype=torch.int32)
+    transport.status.zero_()
     transport.raise_if_failed()
 
 

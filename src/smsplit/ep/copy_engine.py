@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.launch import FastLaunch
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
@@ -276,6 +278,9 @@ PHASES = {5: "dispatch: waiting for rank {peer} to enter the dispatch",
           9: "combine: waiting for rank {peer} to finish the previous combine"}
 
 
+launch_gate, launch_pack, launch_reduce = FastLaunch(gate_kernel), FastLaunch(pack_kernel), FastLaunch(reduce_kernel)
+
+
 def _region_bytes(R: int, M: int, H: int, K: int, NC: int) -> dict:
     """Bytes of each region of the symmetric buffer: the flags, the staging area (this rank's tokens packed per
     destination, bf16-sized rows, with scales, top-k, weights and source index), the combine area (the rows
@@ -360,6 +365,7 @@ class CopyEngineTransport:
         self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)
         self.done = torch.zeros(num_chunks + 1, dtype=torch.int32, device=self.device)  # pack chunks, reduce exit
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
         self.failed = torch.zeros(1, dtype=torch.int32, device=self.device)  # set by a wait that timed out
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent tensors
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -371,6 +377,7 @@ class CopyEngineTransport:
         dist.barrier(group=group, device_ids=[self.device.index])
 
     @staticmethod
+    @functools.lru_cache(maxsize=256)  # (every eager Buffer call checks its arguments against it)
     def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16, num_chunks: int = 4) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
         return region_offsets(_region_bytes(num_ranks, max_tokens, hidden, max_topk, num_chunks), ALIGN)[1]
@@ -379,9 +386,9 @@ class CopyEngineTransport:
 
     def raise_if_failed(self) -> None:
         """Raise EPTimeoutError if a kernel recorded a timeout (reads pinned host memory; no sync)."""
-        phase, peer, seen, expected = self.status.tolist()
-        if phase == 0:
+        if self._status_words[0] == 0:
             return
+        phase, peer, seen, expected = self.status.tolist()
         what = PHASES.get(phase, "phase {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
         raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 
@@ -445,7 +452,7 @@ class CopyEngineTransport:
         rows, total = layout.num_recv_rows, layout.num_recv_tokens
         x_bytes = 1 if (quantize or x.dtype == torch.float8_e4m3fn) else 2
         G = H // SCALE_BLOCK
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device.index)
         dev = self.device
         recv_x = torch.empty(rows, H, dtype=torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, device=dev)
         recv_scales = torch.empty(rows, G, dtype=torch.float32, device=dev) if (quantize or scales is not None) else None
@@ -454,13 +461,14 @@ class CopyEngineTransport:
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
         self.dispatch_epoch += 1
         epoch = self.dispatch_epoch
-        gate_kernel[(1,)](self.bases, self.offsets["dispatch_arrive"], self.offsets["dispatch_ack"],
-                          self.offsets["ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 5,
-                          num_warps=1)
+        launch_gate(1, self.bases, self.offsets["dispatch_arrive"], self.offsets["dispatch_ack"],
+                    self.offsets["ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 5,
+                    num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
         trace_view, tag = trace.slots(self.num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
-        pack_kernel[(self.num_sms,)](
+        launch_pack(
+            self.num_sms,
             x if quantize else x.view(torch.uint8).view(torch.int32), scales if scales is not None else recv_src,
             topk_idx if topk_idx is not None else recv_src, topk_weights if topk_weights is not None else recv_src,
             layout.pos, self.bases, self.done, self.buffer, recv_x,
@@ -521,14 +529,14 @@ class CopyEngineTransport:
                              f"got {y.dtype} {tuple(y.shape)}")
         check_combine_weights(y_weights, layout.num_recv_rows, self.max_topk)
         K = y_weights.size(1) if y_weights is not None else 1
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device.index)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
         self.combine_epoch += 1
         epoch = self.combine_epoch
-        gate_kernel[(1,)](self.bases, self.offsets["combine_arrive"], self.offsets["combine_ack"],
-                          self.offsets["combine_ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 8,
-                          num_warps=1)
+        launch_gate(1, self.bases, self.offsets["combine_arrive"], self.offsets["combine_ack"],
+                    self.offsets["combine_ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch,
+                    self.timeout_ns, 8, num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
         finished = []
@@ -550,7 +558,8 @@ class CopyEngineTransport:
             done.record(cs)
             finished.append(done)
         trace_view, tag = trace.slots(self.num_sms, "reduce", "comm") if trace is not None else (out, 0)
-        reduce_kernel[(self.num_sms,)](
+        launch_reduce(
+            self.num_sms,
             y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
             self.status.data_ptr(), self.failed, self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
             layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],

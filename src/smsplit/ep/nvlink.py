@@ -37,6 +37,7 @@ reading overwritten data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.launch import FastLaunch
 from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
 from smsplit.trace import record_block
 
@@ -828,6 +830,10 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
 
 # --- host side ---------------------------------------------------------------------------------------
 
+launch_bump, launch_notify = FastLaunch(bump_kernel), FastLaunch(notify_kernel)
+launch_dispatch, launch_combine = FastLaunch(dispatch_kernel), FastLaunch(combine_kernel)
+
+
 def _prefix_plan(to_peer: np.ndarray, share: float) -> tuple[int, np.ndarray]:
     """Where a dispatch with ``bulk="copy_engine"`` puts the rows it sends one peer (``to_peer``: bool ``[T]``, the
     tokens sent there): ``(m, pos)``, ``pos[t]`` the row of token t among this rank's rows there (-1: not sent).
@@ -1041,6 +1047,9 @@ class NvlinkTransport:
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
+        self._status_ptr = self.status.data_ptr()
+        self._views = {}  # (name, dtype, shape) -> a view of self.buffer (`_view`)
         self.bulk, self.copy_share, self.combine_copy_share = bulk, copy_share, combine_copy_share
         self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         self._none_copied = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # dispatch rows: none
@@ -1065,6 +1074,7 @@ class NvlinkTransport:
         dist.barrier(group=group, device_ids=[self.device.index])
 
     @staticmethod
+    @functools.lru_cache(maxsize=256)  # (every eager Buffer call checks its arguments against it)
     def buffer_bytes(num_ranks: int, max_tokens: int, hidden: int, max_topk: int = 16) -> int:
         """Bytes of the symmetric buffer each rank allocates."""
         return region_offsets(_region_bytes(num_ranks, max_tokens, hidden, max_topk), ALIGN)[1]
@@ -1073,9 +1083,9 @@ class NvlinkTransport:
 
     def raise_if_failed(self) -> None:
         """Raise EPTimeoutError if a kernel recorded a timeout (reads pinned host memory; no sync)."""
-        phase, peer, seen, expected = self.status.tolist()
-        if phase == 0:
+        if self._status_words[0] == 0:
             return
+        phase, peer, seen, expected = self.status.tolist()
         if phase == 4:
             raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
                              f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
@@ -1091,16 +1101,22 @@ class NvlinkTransport:
         return [peer for peer in range(self.num_ranks) if peer != self.rank]
 
     def _status_addr(self) -> int:
-        return self.status.data_ptr()
+        return self._status_ptr
 
     # -- views into this rank's buffer ------------------------------------------------------------------
 
-    def _view(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        start = self.offsets[name]
-        return self.buffer[start: start + numel * dtype.itemsize].view(dtype).view(shape)
+    def _view(self, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """Region ``name`` of this rank's buffer as a ``dtype`` tensor of ``shape`` (the same tensor for the same
+        arguments: views are made once)."""
+        key = (name, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 64:  # (receive sizes of uncached dispatches vary: keep the newest only)
+                self._views.clear()
+            numel = math.prod(shape)
+            start = self.offsets[name]
+            view = self._views[key] = self.buffer[start: start + numel * dtype.itemsize].view(dtype).view(shape)
+        return view
 
     def rank_prefix_matrix(self) -> torch.Tensor:
         """DeepEP's ``rank_prefix_matrix`` of the last dispatch with a count exchange (in stream order after it):
@@ -1254,8 +1270,7 @@ class NvlinkTransport:
         """End a `_copy`: bump the counter for the next chain; returns the event of the copy stream so far."""
         cs = self.copy_stream
         self._wait_for_reset()
-        with torch.cuda.stream(cs):
-            bump_kernel[(1,)](self._counter, num_warps=1)
+        launch_bump(1, self._counter, num_warps=1, stream=cs)
         done = torch.cuda.Event()
         done.record(cs)
         return done
@@ -1355,7 +1370,7 @@ class NvlinkTransport:
             pos = token_positions(is_token_in_rank)
             counts = is_token_in_rank.sum(0, dtype=torch.int32)
             layout = torch.empty(2 * R + 2, dtype=torch.int32, device=self.device)
-            notify_kernel[(1,)](counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
+            launch_notify(1, counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
                                 layout, self._status_addr(), self.rank, R, num_worst_tokens, self.timeout_ns,
                                 RP=_pow2(R), num_warps=1)
         if cached is not None and not num_worst_tokens:
@@ -1374,7 +1389,8 @@ class NvlinkTransport:
                 trace_view, tag = trace.slots(self.num_sms, "dispatch", "comm")
             else:
                 trace_view, tag = layout, 0
-            dispatch_kernel[(self.num_sms,)](
+            launch_dispatch(
+                self.num_sms,
                 x_words, scales if scales is not None else dummy, topk_idx if topk_idx is not None else dummy,
                 topk_weights if topk_weights is not None else dummy, pos, layout, self.bases, self.state,
                 self._status_addr(), T, H, max(K, 1), R, self.rank, num_local_experts, num_worst_tokens,
@@ -1404,12 +1420,12 @@ class NvlinkTransport:
             chunks = self._stage_split(plans, is_token_in_rank)
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos
-            inputs_ready = torch.cuda.current_stream(self.device).record_event()
+            inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
             for c, (t_begin, t_end, staged_rows) in enumerate(chunks):
                 launch(t_begin, t_end, sync=False, copied=split.copied, fill_from=split.fill_from,
                        fill_to=split.fill_to, stage=True,
                        first=c == 0)
-                staged_event = torch.cuda.current_stream(self.device).record_event()
+                staged_event = torch.cuda.current_stream(self.device.index).record_event()
                 if c == 0:
                     self._copy_start(0, after=inputs_ready)
                 last = c == len(chunks) - 1
@@ -1428,7 +1444,7 @@ class NvlinkTransport:
         elif copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos  # (the launch reads it)
-            inputs_ready = torch.cuda.current_stream(self.device).record_event()
+            inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
             launch(0, T, sync=True, copied=split.copied, fill_from=split.fill_from, fill_to=split.fill_to)
             copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(), m * row_bytes)
                                    for peer, m, row in split.copies], 0, peers)], 0,  # every peer waits for it
@@ -1437,7 +1453,7 @@ class NvlinkTransport:
             launch(0, T, sync=True)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
         if copies:
-            torch.cuda.current_stream(self.device).wait_event(copied)
+            torch.cuda.current_stream(self.device.index).wait_event(copied)
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
         recv_scales = self._view("scales", torch.float32, (rows, n_groups)) if (quantize or scales is not None) else None
@@ -1467,13 +1483,14 @@ class NvlinkTransport:
         chunk_ends = self._all_by_sms
         if copies:
             chunks, chunk_ends = self._combine_split(layout)
-            inputs_ready = torch.cuda.current_stream(self.device).record_event()
+            inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
         if trace is not None:
             trace_view, tag = trace.slots(self.num_sms, "combine", "comm")
         else:
             trace_view, tag = layout.layout, 0
         chunk_count = chunk_ends.size(1)
-        combine_kernel[(self.num_sms,)](
+        launch_combine(
+            self.num_sms,
             y.view(torch.uint8).view(torch.int32),
             y_weights if y_weights is not None else out, layout.layout, layout.sent_pos, self.bases,
             self.state, self._status_addr(), self.buffer, chunk_ends, out, out_w if out_w is not None else out, T, H, K, R,
@@ -1491,5 +1508,5 @@ class NvlinkTransport:
                                     y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
                                   1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
                                   self._peers) for c, chunk in enumerate(chunks)], 1, after=inputs_ready)
-            torch.cuda.current_stream(self.device).wait_event(copied)
+            torch.cuda.current_stream(self.device.index).wait_event(copied)
         return out, out_w

@@ -1,0 +1,128 @@
+"""Launch a Triton kernel with less host work per call than Triton's JIT.
+
+``kernel[grid](*args)`` spends 20-60 us of host time per launch on an H200 host (Triton 3.6, a kernel of 24-50
+arguments: binding and specializing every argument, the cache key, reading knobs, checking the globals the kernel
+used; BENCHMARKS.md §2), against 8-12 us for the compiled kernel's own launcher. An eager EP call makes one to three
+launches, so that is a large part of its host time.
+
+`FastLaunch` keeps the compiled kernels it has seen under a key made from what Triton specializes on, and sends a
+launch whose key it knows straight to the compiled kernel's launcher; any other goes through the JIT (which compiles
+if needed) and its compiled kernel is kept. The key: the grid, the device, each tensor argument's dtype and whether
+its address is a multiple of 16, the width class of each int in the kernel's ``do_not_specialize`` (Triton compiles
+those for i32, i64 or u64 only), and every other argument's type and value, exactly (stricter than Triton, which
+looks at an int's ``== 1``, ``% 16`` and width), with the keyword arguments' names. So a hit always has the
+specialization the JIT would pick. ``SMSPLIT_FAST_LAUNCH=0`` sends every launch through the JIT (for comparison and
+as a way out).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+ENV_SWITCH = "SMSPLIT_FAST_LAUNCH"
+MAX_KERNELS = 256  # compiled kernels kept per FastLaunch; the oldest key is dropped past this
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _fingerprint(value: Any) -> Any:
+    """What Triton's specialization of one argument depends on (see the module docstring)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    return type(value), value  # floats, bools, None, constexpr values (bool and int keys must differ: True == 1)
+
+
+def _width(value: Any) -> Any:
+    """`_fingerprint` of an argument in the kernel's ``do_not_specialize``: only an int's width class matters."""
+    if type(value) is int:
+        return int, -2 ** 31 <= value < 2 ** 31, value >= 2 ** 63
+    return _fingerprint(value)
+
+
+class FastLaunch:
+    """
+    A `triton.jit` function launched as ``FastLaunch(fn)(grid, *args, stream=None, **kwargs)``, with the arguments
+    ``fn[(grid,)](*args, **kwargs)`` takes, on ``stream`` (a `torch.cuda.Stream`; default: the current stream).
+
+    ``grid`` is the number of programs (one dimension).
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+        params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
+        self._names = [p.name for p in params]
+        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        self._loose_names = {params[i].name if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+        self._loose_positions = [i for i, name in enumerate(self._names) if name in self._loose_names]
+        self._kernels: Dict[Tuple, Tuple] = {}
+        # (Triton's interpreter, TRITON_INTERPRET=1, has no compiled kernels: every launch goes through it)
+        self.enabled = enabled_by_environment() and hasattr(fn, "device_caches")
+        self.hits = 0
+
+    def __call__(self, grid: int, *args, stream: Optional[torch.cuda.Stream] = None, **kwargs):
+        if not self.enabled:
+            return self._through_jit(grid, args, kwargs, stream)
+        device = driver.active.get_current_device()
+        positional = [a if type(a) is int else _fingerprint(a) for a in args]
+        for i in self._loose_positions:
+            if i < len(args):
+                positional[i] = _width(args[i])
+        loose = self._loose_names
+        key = (grid, device, len(args), *positional,
+               *[(name, _width(value) if name in loose else value if type(value) is int else _fingerprint(value))
+                 for name, value in kwargs.items()])
+        try:
+            entry = self._kernels.get(key)
+        except TypeError:  # an unhashable value
+            return self._through_jit(grid, args, kwargs, stream)
+        if entry is None:
+            kernel = self._through_jit(grid, args, kwargs, stream)
+            if kernel is not None and hasattr(kernel, "packed_metadata"):
+                self._kernels[key] = (kernel, self._tail_taker(len(args), kwargs))
+                if len(self._kernels) > MAX_KERNELS:  # (dicts keep insertion order: the oldest goes)
+                    del self._kernels[next(iter(self._kernels))]
+            return kernel
+        kernel, take_tail = entry
+        full = (*args, *take_tail(kwargs))
+        raw_stream = driver.active.get_current_stream(device) if stream is None else stream.cuda_stream
+        enter, leave = _launch_hooks()
+        metadata = kernel.launch_metadata((grid, 1, 1), raw_stream, *full) if enter is not None else None
+        kernel.run(grid, 1, 1, raw_stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
+        self.hits += 1
+        return kernel
+
+    def _tail_taker(self, num_args: int, kwargs: dict) -> Callable[[dict], tuple]:
+        """A function giving the arguments after the first ``num_args``, in the signature's order, from keyword
+        arguments with ``kwargs``'s names (defaults for the others); C loops where every name is given."""
+        tail = self._names[num_args:]
+        if tail and all(name in kwargs for name in tail):
+            take = operator.itemgetter(*tail)
+            return (lambda kw: (take(kw),)) if len(tail) == 1 else take
+        defaults = self._defaults
+        return lambda kw: tuple(kw[name] if name in kw else defaults[name] for name in tail)
+
+    def _through_jit(self, grid: int, args: tuple, kwargs: dict, stream: Optional[torch.cuda.Stream]):
+        if stream is None:
+            return self.fn[(grid,)](*args, **kwargs)
+        with torch.cuda.stream(stream):
+            return self.fn[(grid,)](*args, **kwargs)
+
+
+def _launch_hooks():
+    """Triton's launch hooks (profilers such as proton add them), or (None, None) when none is set."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave):
+        return None, None
+    return enter, leave
