@@ -29,7 +29,7 @@ class FakeJit:
     call (so a test sees which calls `FastLaunch` sent through it)."""
 
     def __init__(self, fn, do_not_specialize=()):
-        self.fn, self.device_caches = fn, {}
+        self.fn, self.device_caches, self.debug, self.pre_run_hooks = fn, {}, False, []
         self.do_not_specialize = list(do_not_specialize)
         self.jit_calls, self.direct = [], []
 
@@ -76,8 +76,9 @@ def test_a_repeated_launch_skips_the_jit_and_passes_every_argument_in_signature_
 
 
 @pytest.mark.parametrize("change", ["misaligned pointer", "dtype", "int value", "int width of a loose argument",
-                                    "bool for int", "constexpr", "option", "grid", "keyword set"])
-def test_anything_triton_specializes_on_goes_through_the_jit(no_gpu_driver, change):
+                                    "bool for int", "constexpr", "option", "grid", "keyword set", "tuple element type",
+                                    "negative zero", "debug knob", "instrumentation mode"])
+def test_anything_triton_specializes_on_goes_through_the_jit(no_gpu_driver, monkeypatch, change):
     fn = FakeJit(kernel_signature, do_not_specialize=["tag"])
     fast = FastLaunch(fn)
     x, out = torch.empty(64), torch.empty(64)
@@ -104,11 +105,24 @@ def test_anything_triton_specializes_on_goes_through_the_jit(no_gpu_driver, chan
         grid = 21
     elif change == "keyword set":
         kwargs["HAS_X"] = True  # the default's value, but given: another signature-order assembly
+    elif change == "tuple element type":  # (1, 2) and (True, 2) are equal tuples; Triton specializes them apart
+        fast(grid, *args[:3], (1, 2), **kwargs)
+        calls = len(fn.jit_calls)
+        args[3] = (True, 2)
+    elif change == "negative zero":  # 0.0 == -0.0, but the constexpr kernels differ
+        kwargs["BLOCK"] = 0.0
+        fast(grid, *args, **kwargs)
+        kwargs["BLOCK"] = -0.0
+    elif change == "debug knob":
+        monkeypatch.setattr(launch.knobs.runtime, "debug", True)
+    elif change == "instrumentation mode":  # (set by profilers such as proton while they run)
+        monkeypatch.setattr(launch.knobs.compilation, "instrumentation_mode", "fpsan-test")
     calls = len(fn.jit_calls)
+    hits = fast.hits
     fast(grid, *args, **kwargs)
-    assert len(fn.jit_calls) == calls + 1 and fast.hits == 0
+    assert len(fn.jit_calls) == calls + 1 and fast.hits == hits
     fast(grid, *args, **kwargs)  # now known
-    assert len(fn.jit_calls) == calls + 1 and fast.hits == 1
+    assert len(fn.jit_calls) == calls + 1 and fast.hits == hits + 1
 
 
 def test_the_environment_switch_sends_every_launch_through_the_jit(no_gpu_driver, monkeypatch):
@@ -130,6 +144,16 @@ def test_a_function_without_compiled_kernels_goes_through_the_jit(no_gpu_driver)
     for _ in range(2):
         fast(4, x, x, 16, 0, BLOCK=64)
     assert len(fn.jit_calls) == 2 and not fn.direct and not fast.enabled
+
+
+def test_a_kernel_with_pre_run_hooks_goes_through_the_jit(no_gpu_driver):
+    fn = FakeJit(kernel_signature)
+    fn.pre_run_hooks.append(lambda *args, **kwargs: None)
+    fast = FastLaunch(fn)
+    x = torch.empty(64)
+    for _ in range(2):
+        fast(4, x, x, 16, 0, BLOCK=64)
+    assert len(fn.jit_calls) == 2 and fast.hits == 0
 
 
 def test_the_cache_is_bounded(no_gpu_driver, monkeypatch):

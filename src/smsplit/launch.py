@@ -9,10 +9,12 @@ launches, so that is a large part of its host time.
 launch whose key it knows straight to the compiled kernel's launcher; any other goes through the JIT (which compiles
 if needed) and its compiled kernel is kept. The key: the grid, the device, each tensor argument's dtype and whether
 its address is a multiple of 16, the width class of each int in the kernel's ``do_not_specialize`` (Triton compiles
-those for i32, i64 or u64 only), and every other argument's type and value, exactly (stricter than Triton, which
-looks at an int's ``== 1``, ``% 16`` and width), with the keyword arguments' names. So a hit always has the
-specialization the JIT would pick. ``SMSPLIT_FAST_LAUNCH=0`` sends every launch through the JIT (for comparison and
-as a way out).
+those for i32, i64 or u64 only), every other argument's type and value, exactly (stricter than Triton, which
+looks at an int's ``== 1``, ``% 16`` and width; tuples element by element), the keyword arguments' names, and the
+options Triton reads on every launch (``debug``, the instrumentation mode of profilers such as proton). So a hit
+has the specialization the JIT would pick. Unlike the JIT, a hit does not check that the module globals the kernel
+read at compile time are unchanged (smsplit's are constants), and a kernel with ``pre_run_hooks`` always goes
+through the JIT. ``SMSPLIT_FAST_LAUNCH=0`` sends every launch through the JIT (for comparison and as a way out).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 
@@ -40,7 +43,13 @@ def _fingerprint(value: Any) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    return type(value), value  # floats, bools, None, constexpr values (bool and int keys must differ: True == 1)
+    if isinstance(value, tuple):  # each element as an argument of its own (Triton specializes tuples so)
+        return tuple, tuple(map(_fingerprint, value))
+    if isinstance(value, tl.constexpr):
+        return tl.constexpr, _fingerprint(value.value)
+    if isinstance(value, float):
+        return float, repr(value)  # (0.0 and -0.0 are equal but compile different constexpr kernels)
+    return type(value), value  # bools, None, other constexpr values (bool and int keys must differ: True == 1)
 
 
 def _width(value: Any) -> Any:
@@ -72,15 +81,18 @@ class FastLaunch:
         self.hits = 0
 
     def __call__(self, grid: int, *args, stream: Optional[torch.cuda.Stream] = None, **kwargs):
-        if not self.enabled:
+        if not self.enabled or self.fn.pre_run_hooks:
             return self._through_jit(grid, args, kwargs, stream)
-        device = driver.active.get_current_device()
+        # (a stream's launch compiles and runs on the stream's device: `_through_jit` switches to it)
+        device = driver.active.get_current_device() if stream is None else stream.device_index
         positional = [a if type(a) is int else _fingerprint(a) for a in args]
         for i in self._loose_positions:
             if i < len(args):
                 positional[i] = _width(args[i])
         loose = self._loose_names
-        key = (grid, device, len(args), *positional,
+        # the options Triton's JIT reads on every launch and compiles into the kernel (debug checks, profiling)
+        options = (self.fn.debug or knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        key = (grid, device, options, len(args), *positional,
                *[(name, _width(value) if name in loose else value if type(value) is int else _fingerprint(value))
                  for name, value in kwargs.items()])
         try:
@@ -98,7 +110,7 @@ class FastLaunch:
         full = (*args, *take_tail(kwargs))
         raw_stream = driver.active.get_current_stream(device) if stream is None else stream.cuda_stream
         enter, leave = _launch_hooks()
-        metadata = kernel.launch_metadata((grid, 1, 1), raw_stream, *full) if enter is not None else None
+        metadata = kernel.launch_metadata((grid,), raw_stream, *full) if enter is not None else None
         kernel.run(grid, 1, 1, raw_stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
         self.hits += 1
         return kernel

@@ -12,7 +12,7 @@ from .. import fp8 as fp8_lib
 from ..timeouts import timeout_problem
 from .event import EventOverlap
 from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combine_row_bytes,
-                     compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
+                     check_dispatch_layout, compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
                      to_local_expert_ids)
 from .reference import ReferenceTransport
 from .transport import EPArgumentError, EPError, EPTimeoutError
@@ -1027,25 +1027,24 @@ class Buffer:
         """Check the values of an uncached dispatch's layout tensors; return the counts as Python lists. One copy
         to the host (one synchronization) for all of them."""
         num_ranks = self.group_size
-        parts = [num_tokens_per_rank.long(), is_token_in_rank.sum(0), num_tokens_per_expert.long()]
         with_topk = topk_idx is not None and topk_idx.numel() > 0
-        if with_topk:  # the layout must be topk_idx's (ids out of range, rejected below, are left out of it)
-            in_range = torch.where(topk_idx < num_experts, topk_idx, torch.full_like(topk_idx, -1))
-            _, implied_per_expert, implied_in_rank = compute_dispatch_layout(in_range, num_experts, num_ranks)
-            parts += [torch.stack(torch.aminmax(topk_idx)), (implied_in_rank != is_token_in_rank).sum().view(1),
-                      implied_per_expert.long()]
-        values = torch.cat(parts).tolist()
-        per_rank, in_rank = values[:num_ranks], values[num_ranks:2 * num_ranks]
-        per_expert = values[2 * num_ranks:2 * num_ranks + num_experts]
+        # the layout must be topk_idx's (ids out of range, rejected below, are left out of it)
+        summary = (check_dispatch_layout(topk_idx, num_experts, is_token_in_rank) if with_topk
+                   else is_token_in_rank.sum(0))
+        values = torch.cat([num_tokens_per_rank, num_tokens_per_expert, summary]).tolist()  # (int64: promoted)
+        per_rank, per_expert = values[:num_ranks], values[num_ranks:num_ranks + num_experts]
+        in_rank = values[num_ranks + num_experts:2 * num_ranks + num_experts]
         if per_rank != in_rank:
             raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
         if with_topk:
-            rest = values[2 * num_ranks + num_experts:]
-            _check_expert_range(rest[0], rest[1], num_experts)
-            if rest[2]:
-                raise _reject("is_token_in_rank", f"does not match topk_idx in {rest[2]} entries (a token goes to "
+            implied_per_expert = values[2 * num_ranks + num_experts:2 * num_ranks + 2 * num_experts]
+            outside, differ = values[-2:]
+            if outside:  # (only now the exact range, for the message)
+                _check_expert_range(*torch.stack(torch.aminmax(topk_idx)).tolist(), num_experts)
+            if differ:
+                raise _reject("is_token_in_rank", f"does not match topk_idx in {differ} entries (a token goes to "
                                                   f"the ranks of its experts: get_dispatch_layout(topk_idx, ...))")
-            if rest[3:] != per_expert:
+            if implied_per_expert != per_expert:
                 raise _reject("num_tokens_per_expert", "does not match topk_idx (the tokens that chose each expert: "
                                                        "get_dispatch_layout(topk_idx, ...))")
         return dict(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)

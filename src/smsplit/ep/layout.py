@@ -9,32 +9,48 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
+
+from ..launch import FastLaunch
 
 SCALE_BLOCK = 128  # FP8 values per fp32 scale
 ROW_ALIGN = 16     # bytes; every per-token message is padded to this
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), in plain Python: `triton.next_power_of_2` goes through Triton's
+    constexpr-function machinery on the host (nine calls per eager dispatch + combine of the SM push)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
 def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) \
         -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
-    Count tokens per rank and per expert from the top-k choices (no communication).
+    Count tokens per rank and per expert from the top-k choices (no communication). On a GPU, one kernel
+    (`layout_kernel`); elsewhere torch operations.
 
     Arguments:
-        topk_idx: `[num_tokens, num_topk]` with `torch.int64`, expert ids in `[0, num_experts)`, `-1` for none.
+        topk_idx: `[num_tokens, num_topk]` with `torch.int64`, expert ids in `[0, num_experts)`, `-1` for none (ids
+            outside `[0, num_experts)` count nowhere).
         num_experts: the number of experts, a multiple of `num_ranks`.
         num_ranks: the number of ranks in the group.
 
     Returns:
         num_tokens_per_rank: `[num_ranks]` with `torch.int32`, tokens that go to each rank (a token counts once per
             rank, however many of its experts that rank holds).
-        num_tokens_per_expert: `[num_experts]` with `torch.int32`, tokens that chose each expert.
+        num_tokens_per_expert: `[num_experts]` with `torch.int32`, tokens that chose each expert (once per token).
         is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
     """
     num_tokens = topk_idx.size(0)
-    chosen = topk_idx >= 0
-    # Column `num_experts` collects the -1 entries and is dropped.
+    if topk_idx.is_cuda:
+        is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+        counts = _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=False)
+        return counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], is_token_in_rank
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    # Column `num_experts` collects the other entries and is dropped.
     counts = torch.zeros(num_tokens, num_experts + 1, dtype=torch.int32, device=topk_idx.device)
-    counts.scatter_add_(1, torch.where(chosen, topk_idx, num_experts), torch.ones_like(topk_idx, dtype=torch.int32))
+    counts.scatter_add_(1, torch.where(valid, topk_idx, num_experts), torch.ones_like(topk_idx, dtype=torch.int32))
     is_token_in_expert = counts[:, :num_experts] > 0
     is_token_in_rank = is_token_in_expert.view(num_tokens, num_ranks, num_experts // num_ranks).any(dim=2)
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
@@ -42,27 +58,125 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
-def token_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+def check_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, is_token_in_rank: torch.Tensor) -> torch.Tensor:
     """
-    Where each token lands among the tokens this rank sends to each rank.
+    What a dispatch's argument checks need to compare a given layout with its top-k choices, in one int32 tensor on
+    their device (on a GPU made by one kernel, `layout_kernel`): ``[num_ranks + num_experts + 2]``, the column sums of
+    `is_token_in_rank`, the tokens that chose each expert according to `topk_idx` (ids in `[0, num_experts)`, once
+    per token), the number of ids outside `[-1, num_experts)`, and the number of entries of `is_token_in_rank` that
+    differ from the ranks of each token's experts.
+    """
+    num_ranks = is_token_in_rank.size(1)
+    if topk_idx.is_cuda:
+        return _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=True)
+    _, implied_per_expert, implied_in_rank = compute_dispatch_layout(topk_idx, num_experts, num_ranks)
+    outside = ((topk_idx < -1) | (topk_idx >= num_experts)).sum().view(1)
+    differ = (implied_in_rank != is_token_in_rank).sum().view(1)
+    return torch.cat([is_token_in_rank.sum(0), implied_per_expert, outside, differ]).to(torch.int32)
+
+
+def token_positions(is_token_in_rank: torch.Tensor, with_counts: bool = False):
+    """
+    Where each token lands among the tokens this rank sends to each rank. On a GPU one kernel
+    (`token_positions_kernel`); elsewhere torch operations.
 
     Arguments:
         is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
+        with_counts: also return the tokens sent to each rank.
 
     Returns:
         `[num_tokens, num_ranks]` contiguous `torch.int32`: entry `[t, r]` counts the tokens before `t` that go
-        to rank `r` if `t` goes there, else -1.
+        to rank `r` if `t` goes there, else -1; with `with_counts`, also `[num_ranks]` int32, the column sums.
     """
     num_tokens, num_ranks = is_token_in_rank.shape
+    device = is_token_in_rank.device
+    if is_token_in_rank.is_cuda:
+        positions = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
+        counts = torch.empty(num_ranks, dtype=torch.int32, device=device)
+        launch_token_positions(1, is_token_in_rank.contiguous(), positions, counts, num_tokens, num_ranks,
+                               BT=512 if num_ranks <= 8 else 128, RP=next_pow2(num_ranks), num_warps=4)
+        return (positions, counts) if with_counts else positions
     if num_tokens == 0:
-        return torch.empty(0, num_ranks, dtype=torch.int32, device=is_token_in_rank.device)
-    # One scan over the ranks' rows laid end to end, then each row's start taken off: torch scans a 1-D tensor
-    # with one parallel (CUB) scan, while its scan down each column of [num_tokens, num_ranks] is a serial loop.
-    flat = is_token_in_rank.t().contiguous().view(-1)
-    running = torch.cumsum(flat, 0, dtype=torch.int32).view(num_ranks, num_tokens)
-    before_row = torch.cat([running.new_zeros(1), running[:-1, -1]])
-    positions = (running - before_row[:, None] - 1).t()
-    return torch.where(is_token_in_rank, positions, -1).contiguous()
+        positions = torch.empty(0, num_ranks, dtype=torch.int32, device=device)
+    else:
+        # One scan over the ranks' rows laid end to end, then each row's start taken off: torch scans a 1-D tensor
+        # with one parallel (CUB) scan, while its scan down each column of [num_tokens, num_ranks] is a serial loop.
+        flat = is_token_in_rank.t().contiguous().view(-1)
+        running = torch.cumsum(flat, 0, dtype=torch.int32).view(num_ranks, num_tokens)
+        before_row = torch.cat([running.new_zeros(1), running[:-1, -1]])
+        positions = torch.where(is_token_in_rank, (running - before_row[:, None] - 1).t(), -1).contiguous()
+    return (positions, is_token_in_rank.sum(0, dtype=torch.int32)) if with_counts else positions
+
+
+@triton.jit
+def layout_kernel(topk_ptr, given_ptr, in_rank_ptr, counts_ptr, T, K, R, E, L,
+                  CHECK: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr):
+    """BT tokens per program. For each token, the ranks its experts are on (ids in [0, E), L experts a rank) and,
+    once per token and expert, a count for each expert it chose: counts_ptr (int32, zeroed) [R, R + E). Without
+    CHECK: those ranks into in_rank_ptr (bool [T, R]) and their column sums into counts [0, R); with CHECK: the
+    column sums of given_ptr (bool [T, R]) into [0, R) and the entries where it differs into [R + E + 1]. Always
+    the ids outside [-1, E) into [R + E]."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    row = t.to(tl.int64) * K
+    r = tl.arange(0, RP)
+    rmask = r < R
+    trmask = tmask[:, None] & rmask[None, :]
+    ranks = tl.zeros([BT, RP], dtype=tl.int32)
+    outside = tl.zeros([BT], dtype=tl.int32)
+    for k in tl.static_range(KP):
+        kmask = tmask & (k < K)
+        ids = tl.load(topk_ptr + row + k, mask=kmask, other=-1)
+        valid = kmask & (ids >= 0) & (ids < E)
+        outside += (kmask & ((ids < -1) | (ids >= E))).to(tl.int32)
+        first = valid
+        for j in tl.static_range(k):  # an expert chosen twice by a token counts once
+            first = first & (tl.load(topk_ptr + row + j, mask=kmask, other=-1) != ids)
+        tl.atomic_add(counts_ptr + R + tl.where(first, ids, 0), first.to(tl.int32), mask=first)
+        ranks = tl.where(valid[:, None] & ((ids // L).to(tl.int32)[:, None] == r[None, :]), 1, ranks)
+    cells = t.to(tl.int64)[:, None] * R + r[None, :]
+    if CHECK:
+        given = (tl.load(given_ptr + cells, mask=trmask, other=0) != 0).to(tl.int32)
+        tl.atomic_add(counts_ptr + r, tl.sum(given, axis=0), mask=rmask)
+        differ = tl.sum(tl.sum(tl.where(trmask & (given != ranks), 1, 0), axis=1), axis=0)
+        tl.atomic_add(counts_ptr + R + E + 1, differ)
+    else:
+        tl.store(in_rank_ptr + cells, ranks != 0, mask=trmask)
+        tl.atomic_add(counts_ptr + r, tl.sum(ranks, axis=0), mask=rmask)
+    tl.atomic_add(counts_ptr + R + E, tl.sum(outside, axis=0))
+
+
+@triton.jit
+def token_positions_kernel(in_rank_ptr, positions_ptr, counts_ptr, T, R, BT: tl.constexpr, RP: tl.constexpr):
+    """One program: a running count down each column of in_rank (bool [T, R]), BT tokens a step; positions (int32
+    [T, R]) gets the count before the token where it is set, else -1; counts ([R]) the column sums."""
+    r = tl.arange(0, RP)
+    rmask = r < R
+    carry = tl.zeros([RP], dtype=tl.int32)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        mask = (t < T)[:, None] & rmask[None, :]
+        cells = t.to(tl.int64)[:, None] * R + r[None, :]
+        flags = (tl.load(in_rank_ptr + cells, mask=mask, other=0) != 0).to(tl.int32)
+        before = carry[None, :] + tl.cumsum(flags, axis=0) - flags
+        tl.store(positions_ptr + cells, tl.where(flags != 0, before, -1), mask=mask)
+        carry += tl.sum(flags, axis=0)
+    tl.store(counts_ptr + r, carry, mask=rmask)
+
+
+launch_layout, launch_token_positions = FastLaunch(layout_kernel), FastLaunch(token_positions_kernel)
+
+
+def _launch_layout_kernel(topk_idx, num_experts: int, num_ranks: int, in_rank: torch.Tensor, check: bool):
+    num_tokens, num_topk = topk_idx.shape
+    counts = torch.zeros(num_ranks + num_experts + 2, dtype=torch.int32, device=topk_idx.device)
+    block = 128 if num_ranks <= 16 else 32
+    if num_tokens > 0:
+        launch_layout(triton.cdiv(num_tokens, block), topk_idx.contiguous(), in_rank.contiguous() if check else in_rank,
+                      in_rank, counts, num_tokens, num_topk, num_ranks, num_experts,
+                      num_experts // num_ranks, CHECK=check, BT=block, KP=next_pow2(num_topk),
+                      RP=next_pow2(num_ranks), num_warps=4)
+    return counts
 
 
 def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ from smsplit.launch import FastLaunch
 from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
 from smsplit.trace import record_block
 
+from .layout import next_pow2 as _pow2
 from .layout import region_offsets, token_positions
 from .transport import EPError, EPTimeoutError, check_combine_weights
 
@@ -903,12 +904,6 @@ def _share_of(share: float, n: int) -> int:
     return min(n, math.ceil(round(share * n, 6)))
 
 
-def _pow2(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1), in plain Python: `triton.next_power_of_2` goes through Triton's
-    constexpr-function machinery on the host (nine calls per eager dispatch + combine of the SM push)."""
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def _region_bytes(R: int, M: int, H: int, K: int) -> dict:
     """Bytes of each region of the symmetric buffer: flags, the count matrix, the copy-engine flags (per source:
     the dispatch's, then each combine chunk's) and where each source's combine chunks end, the receive area (one
@@ -1108,7 +1103,7 @@ class NvlinkTransport:
     def _view(self, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """Region ``name`` of this rank's buffer as a ``dtype`` tensor of ``shape`` (the same tensor for the same
         arguments: views are made once)."""
-        key = (name, dtype, shape)
+        key = (name, dtype, shape, torch.is_inference_mode_enabled())  # (a view made there is an inference tensor)
         view = self._views.get(key)
         if view is None:
             if len(self._views) >= 64:  # (receive sizes of uncached dispatches vary: keep the newest only)
@@ -1367,8 +1362,7 @@ class NvlinkTransport:
             pos, layout = cached.pos, cached.layout
             num_worst_tokens = cached.num_recv_rows if num_worst_tokens else 0
         else:
-            pos = token_positions(is_token_in_rank)
-            counts = is_token_in_rank.sum(0, dtype=torch.int32)
+            pos, counts = token_positions(is_token_in_rank, with_counts=True)
             layout = torch.empty(2 * R + 2, dtype=torch.int32, device=self.device)
             launch_notify(1, counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
                                 layout, self._status_addr(), self.rank, R, num_worst_tokens, self.timeout_ns,
