@@ -156,16 +156,18 @@ def test_a_kernel_with_pre_run_hooks_goes_through_the_jit(no_gpu_driver):
     assert len(fn.jit_calls) == 2 and fast.hits == 0
 
 
-def test_the_cache_is_bounded(no_gpu_driver, monkeypatch):
+def test_the_cache_is_bounded_and_keeps_the_kernels_in_use(no_gpu_driver, monkeypatch):
     monkeypatch.setattr(launch, "MAX_KERNELS", 4)
     fn = FakeJit(kernel_signature)
     fast = FastLaunch(fn)
     x = torch.empty(64)
+    fast(4, x, x, 100, 0, BLOCK=64)  # the kernel in use, launched again between the others
     for n in range(10):
         fast(4, x, x, n, 0, BLOCK=64)
-    assert len(fast._kernels) == 4
-    fast(4, x, x, 9, 0, BLOCK=64)  # the newest are kept
-    assert fast.hits == 1
+        fast(4, x, x, 100, 0, BLOCK=64)
+    assert len(fast._kernels) == 4 and fast.hits == 10
+    fast(4, x, x, 9, 0, BLOCK=64)  # the newest are kept too
+    assert fast.hits == 11 and len(fn.jit_calls) == 11
 
 
 def test_an_unhashable_constexpr_goes_through_the_jit(no_gpu_driver):

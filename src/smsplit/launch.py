@@ -30,7 +30,7 @@ from triton import knobs
 from triton.runtime import driver
 
 ENV_SWITCH = "SMSPLIT_FAST_LAUNCH"
-MAX_KERNELS = 256  # compiled kernels kept per FastLaunch; the oldest key is dropped past this
+MAX_KERNELS = 256  # compiled kernels kept per FastLaunch; the least recently used key is dropped past this
 
 
 def enabled_by_environment() -> bool:
@@ -103,10 +103,11 @@ class FastLaunch:
             kernel = self._through_jit(grid, args, kwargs, stream)
             if kernel is not None and hasattr(kernel, "packed_metadata"):
                 self._kernels[key] = (kernel, self._tail_taker(len(args), kwargs))
-                if len(self._kernels) > MAX_KERNELS:  # (dicts keep insertion order: the oldest goes)
+                if len(self._kernels) > MAX_KERNELS:  # (dicts keep insertion order: the first is the least used)
                     del self._kernels[next(iter(self._kernels))]
             return kernel
         kernel, take_tail = entry
+        self._kernels[key] = self._kernels.pop(key)  # most recently used last (the bound drops the first)
         full = (*args, *take_tail(kwargs))
         raw_stream = driver.active.get_current_stream(device) if stream is None else stream.cuda_stream
         enter, leave = _launch_hooks()

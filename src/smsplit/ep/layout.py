@@ -18,6 +18,9 @@ SCALE_BLOCK = 128  # FP8 values per fp32 scale
 ROW_ALIGN = 16     # bytes; every per-token message is padded to this
 
 
+MAX_KERNEL_TOPK = 16  # the layout kernels unroll a loop over pairs of top-k columns: more columns take torch's way
+
+
 def next_pow2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1), in plain Python: `triton.next_power_of_2` goes through Triton's
     constexpr-function machinery on the host (nine calls per eager dispatch + combine of the SM push)."""
@@ -28,7 +31,7 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
         -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     Count tokens per rank and per expert from the top-k choices (no communication). On a GPU, one kernel
-    (`layout_kernel`); elsewhere torch operations.
+    (`layout_kernel`, up to `MAX_KERNEL_TOPK` top-k columns); elsewhere torch operations.
 
     Arguments:
         topk_idx: `[num_tokens, num_topk]` with `torch.int64`, expert ids in `[0, num_experts)`, `-1` for none (ids
@@ -43,7 +46,7 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
         is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
     """
     num_tokens = topk_idx.size(0)
-    if topk_idx.is_cuda:
+    if topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK:
         is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
         counts = _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=False)
         return counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], is_token_in_rank
@@ -67,7 +70,7 @@ def check_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, is_token_in_
     differ from the ranks of each token's experts.
     """
     num_ranks = is_token_in_rank.size(1)
-    if topk_idx.is_cuda:
+    if topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK:
         return _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=True)
     _, implied_per_expert, implied_in_rank = compute_dispatch_layout(topk_idx, num_experts, num_ranks)
     outside = ((topk_idx < -1) | (topk_idx >= num_experts)).sum().view(1)
