@@ -24,6 +24,7 @@ def routing(num_tokens, num_experts, num_topk, seed, outside=False):
             topk[6, 1] = topk[6, 0] = 3 % num_experts
     if outside and num_tokens > 9:
         topk[7, 0], topk[9, num_topk - 1] = num_experts, -2
+        topk[8, 0] = 2 ** 40 if num_tokens % 2 else -2 ** 40
     return topk
 
 
@@ -41,6 +42,7 @@ def loop_layout(topk, num_experts, num_ranks):
 @pytest.mark.parametrize("num_tokens,num_ranks,num_experts,num_topk",
                          [(37, 2, 8, 1), (37, 4, 16, 4), (37, 4, 36, 9), (37, 8, 256, 8), (300, 1, 4, 2),
                           (129, 3, 12, 5), (1000, 16, 64, 16), (4099, 2, 256, 8),
+                          (100, 24, 48, 8), (70, 64, 128, 6),  # (over 16 ranks: the kernel's smaller token block)
                           (37, 4, 64, 20)])  # (more top-k columns than the kernel takes: torch's way on a GPU too)
 def test_layout_matches_loops(device, num_tokens, num_ranks, num_experts, num_topk):
     topk = routing(num_tokens, num_experts, num_topk, seed=num_tokens + num_experts, outside=True)
@@ -67,6 +69,12 @@ def test_check_dispatch_layout_counts_what_differs(device, num_tokens, num_ranks
     outside = sum(1 for e in topk.flatten().tolist() if e < -1 or e >= num_experts)
     want = given.sum(0).tolist() + want_per_expert + [outside, len(flips)]
     assert summary.dtype == torch.int32 and summary.tolist() == want
+
+
+@pytest.mark.parametrize("num_experts,num_ranks", [(10, 4), (2, 4), (8, 0)])
+def test_layout_needs_experts_split_evenly_over_the_ranks(num_experts, num_ranks):
+    with pytest.raises(ValueError, match="must be a positive multiple of num_ranks"):
+        compute_dispatch_layout(torch.zeros(3, 2, dtype=torch.int64), num_experts, num_ranks)
 
 
 def test_layout_of_no_tokens():

@@ -5,6 +5,7 @@ contiguously: rank `r` holds experts `[r * num_local_experts, (r + 1) * num_loca
 received tokens are ordered by source rank, then by token index on the source rank.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -19,6 +20,7 @@ ROW_ALIGN = 16     # bytes; every per-token message is padded to this
 
 
 MAX_KERNEL_TOPK = 16  # the layout kernels unroll a loop over pairs of top-k columns: more columns take torch's way
+MAX_SCAN_TOKENS = 16384  # token_positions_kernel scans in one program: longer inputs take torch's (parallel) scan
 
 
 def next_pow2(n: int) -> int:
@@ -45,6 +47,8 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
         num_tokens_per_expert: `[num_experts]` with `torch.int32`, tokens that chose each expert (once per token).
         is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
     """
+    if num_ranks < 1 or num_experts < num_ranks or num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
     num_tokens = topk_idx.size(0)
     if topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK:
         is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
@@ -81,7 +85,7 @@ def check_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, is_token_in_
 def token_positions(is_token_in_rank: torch.Tensor, with_counts: bool = False):
     """
     Where each token lands among the tokens this rank sends to each rank. On a GPU one kernel
-    (`token_positions_kernel`); elsewhere torch operations.
+    (`token_positions_kernel`, up to `MAX_SCAN_TOKENS` tokens); elsewhere torch operations.
 
     Arguments:
         is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`.
@@ -93,11 +97,12 @@ def token_positions(is_token_in_rank: torch.Tensor, with_counts: bool = False):
     """
     num_tokens, num_ranks = is_token_in_rank.shape
     device = is_token_in_rank.device
-    if is_token_in_rank.is_cuda:
+    if is_token_in_rank.is_cuda and num_tokens <= MAX_SCAN_TOKENS:
         positions = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
         counts = torch.empty(num_ranks, dtype=torch.int32, device=device)
-        launch_token_positions(1, is_token_in_rank.contiguous(), positions, counts, num_tokens, num_ranks,
-                               BT=512 if num_ranks <= 8 else 128, RP=next_pow2(num_ranks), num_warps=4)
+        with _on_device_of(is_token_in_rank):
+            launch_token_positions(1, is_token_in_rank.contiguous(), positions, counts, num_tokens, num_ranks,
+                                   BT=512 if num_ranks <= 8 else 128, RP=next_pow2(num_ranks), num_warps=4)
         return (positions, counts) if with_counts else positions
     if num_tokens == 0:
         positions = torch.empty(0, num_ranks, dtype=torch.int32, device=device)
@@ -136,7 +141,8 @@ def layout_kernel(topk_ptr, given_ptr, in_rank_ptr, counts_ptr, T, K, R, E, L,
         for j in tl.static_range(k):  # an expert chosen twice by a token counts once
             first = first & (tl.load(topk_ptr + row + j, mask=kmask, other=-1) != ids)
         tl.atomic_add(counts_ptr + R + tl.where(first, ids, 0), first.to(tl.int32), mask=first)
-        ranks = tl.where(valid[:, None] & ((ids // L).to(tl.int32)[:, None] == r[None, :]), 1, ranks)
+        rank_of = tl.where(valid, ids, 0).to(tl.int32) // L  # (ids in [0, E) fit: a 32-bit division)
+        ranks = tl.where(valid[:, None] & (rank_of[:, None] == r[None, :]), 1, ranks)
     cells = t.to(tl.int64)[:, None] * R + r[None, :]
     if CHECK:
         given = (tl.load(given_ptr + cells, mask=trmask, other=0) != 0).to(tl.int32)
@@ -175,11 +181,17 @@ def _launch_layout_kernel(topk_idx, num_experts: int, num_ranks: int, in_rank: t
     counts = torch.zeros(num_ranks + num_experts + 2, dtype=torch.int32, device=topk_idx.device)
     block = 128 if num_ranks <= 16 else 32
     if num_tokens > 0:
-        launch_layout(triton.cdiv(num_tokens, block), topk_idx.contiguous(), in_rank.contiguous() if check else in_rank,
-                      in_rank, counts, num_tokens, num_topk, num_ranks, num_experts,
-                      num_experts // num_ranks, CHECK=check, BT=block, KP=next_pow2(num_topk),
-                      RP=next_pow2(num_ranks), num_warps=4)
+        with _on_device_of(topk_idx):
+            launch_layout(triton.cdiv(num_tokens, block), topk_idx.contiguous(),
+                          in_rank.contiguous() if check else in_rank, in_rank, counts, num_tokens, num_topk,
+                          num_ranks, num_experts, num_experts // num_ranks, CHECK=check, BT=block,
+                          KP=next_pow2(num_topk), RP=next_pow2(num_ranks), num_warps=4)
     return counts
+
+
+def _on_device_of(t: torch.Tensor):
+    """A context on ``t``'s GPU: a Triton launch goes to the current device (and its current stream)."""
+    return contextlib.nullcontext() if t.device.index == torch.cuda.current_device() else torch.cuda.device(t.device)
 
 
 def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
