@@ -146,6 +146,25 @@ def test_a_function_without_compiled_kernels_goes_through_the_jit(no_gpu_driver)
     assert len(fn.jit_calls) == 2 and not fn.direct and not fast.enabled
 
 
+def test_a_stream_on_another_device_goes_through_the_jit(no_gpu_driver, monkeypatch):
+    """The JIT's launch switches to the stream's device; a direct launch would use the current one's context."""
+    fn = FakeJit(kernel_signature)
+    fast = FastLaunch(fn)
+    through = []
+    monkeypatch.setattr(fast, "_through_jit",
+                        lambda grid, args, kwargs, stream: through.append(stream) or FakeKernel(fn))  # (kept)
+
+    class Stream:
+        def __init__(self, device_index):
+            self.device_index, self.cuda_stream = device_index, 99
+
+    x = torch.empty(64)
+    other = Stream(1)
+    for _ in range(2):
+        fast(4, x, x, 16, 0, stream=other, BLOCK=64)
+    assert through == [other, other] and not fn.direct
+
+
 def test_a_kernel_with_pre_run_hooks_goes_through_the_jit(no_gpu_driver):
     fn = FakeJit(kernel_signature)
     fn.pre_run_hooks.append(lambda *args, **kwargs: None)

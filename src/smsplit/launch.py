@@ -62,7 +62,8 @@ def _width(value: Any) -> Any:
 class FastLaunch:
     """
     A `triton.jit` function launched as ``FastLaunch(fn)(grid, *args, stream=None, **kwargs)``, with the arguments
-    ``fn[(grid,)](*args, **kwargs)`` takes, on ``stream`` (a `torch.cuda.Stream`; default: the current stream).
+    ``fn[(grid,)](*args, **kwargs)`` takes, on ``stream`` (a `torch.cuda.Stream`; default: the current stream; a
+    stream on another device than the current one goes through the JIT, which switches to it).
 
     ``grid`` is the number of programs (one dimension).
     """
@@ -81,10 +82,9 @@ class FastLaunch:
         self.hits = 0
 
     def __call__(self, grid: int, *args, stream: Optional[torch.cuda.Stream] = None, **kwargs):
-        if not self.enabled or self.fn.pre_run_hooks:
-            return self._through_jit(grid, args, kwargs, stream)
-        # (a stream's launch compiles and runs on the stream's device: `_through_jit` switches to it)
-        device = driver.active.get_current_device() if stream is None else stream.device_index
+        device = driver.active.get_current_device() if self.enabled else None
+        if not self.enabled or self.fn.pre_run_hooks or (stream is not None and stream.device_index != device):
+            return self._through_jit(grid, args, kwargs, stream)  # (which also switches to a stream's device)
         positional = [a if type(a) is int else _fingerprint(a) for a in args]
         for i in self._loose_positions:
             if i < len(args):
