@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.launch import FastLaunch
 from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
+from smsplit.launch import FastLaunch
 from smsplit.trace import record_block
 
 from .layout import next_pow2 as _pow2
@@ -1044,7 +1044,7 @@ class NvlinkTransport:
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
         self._status_ptr = self.status.data_ptr()
-        self._views = {}  # (name, dtype, shape) -> a view of self.buffer (`_view`)
+        self._views = {}  # `_view`'s views of self.buffer
         self.bulk, self.copy_share, self.combine_copy_share = bulk, copy_share, combine_copy_share
         self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         self._none_copied = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # dispatch rows: none
@@ -1365,8 +1365,8 @@ class NvlinkTransport:
             pos, counts = token_positions(is_token_in_rank, with_counts=True)
             layout = torch.empty(2 * R + 2, dtype=torch.int32, device=self.device)
             launch_notify(1, counts, self.bases, self.offsets["counts"], self.offsets["signals"], self.state,
-                                layout, self._status_addr(), self.rank, R, num_worst_tokens, self.timeout_ns,
-                                RP=_pow2(R), num_warps=1)
+                          layout, self._status_addr(), self.rank, R, num_worst_tokens, self.timeout_ns,
+                          RP=_pow2(R), num_warps=1)
         if cached is not None and not num_worst_tokens:
             rows = cached.num_recv_rows
         elif num_worst_tokens > 0:
