@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 33 (2 H200; session32_b.sh with the patch regenerated on main after FastLaunch): the copy-engine transport's watchdog of the peers' ready flags (session33_watchdog.patch,
+# Session 33 (2 H200; session 32's never-run _b script with the patch regenerated on main after FastLaunch): the copy-engine transport's watchdog of the peers' ready flags (session33_watchdog.patch,
 # ready_watch_kernel after pack_kernel; its one-GPU tests passed in session 31): its cost on the copy-engine dispatch
 # and combine (bench/ep.py, main against the patch, alternating), then the two-GPU copy-engine tests with it.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 33 (2 H200; session32_c.sh with the patch regenerated on main after FastLaunch): (1) Buffer(backend="auto") choosing nvlink_copy_engine on one host (session33_auto.patch): its
+# Session 33 (2 H200; session 32's never-run _c script with the patch regenerated on main after FastLaunch): (1) Buffer(backend="auto") choosing nvlink_copy_engine on one host (session33_auto.patch): its
 # 2-GPU test, then the GPU tests that run the default backend on NCCL (they must stay on the reference: num_nvl_bytes
 # 0); (2) eager Buffer calls, reference against nvlink_copy_engine (bench/ep_buffer.py): what "auto" trades for
 # eager users.
