@@ -50,7 +50,7 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
     if num_ranks < 1 or num_experts < num_ranks or num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
     num_tokens = topk_idx.size(0)
-    if topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK:
+    if _layout_kernel_takes(topk_idx):
         is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
         counts = _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=False)
         return counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], is_token_in_rank
@@ -74,7 +74,7 @@ def check_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, is_token_in_
     differ from the ranks of each token's experts.
     """
     num_ranks = is_token_in_rank.size(1)
-    if topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK:
+    if _layout_kernel_takes(topk_idx):
         return _launch_layout_kernel(topk_idx, num_experts, num_ranks, is_token_in_rank, check=True)
     _, implied_per_expert, implied_in_rank = compute_dispatch_layout(topk_idx, num_experts, num_ranks)
     outside = ((topk_idx < -1) | (topk_idx >= num_experts)).sum().view(1)
@@ -187,6 +187,11 @@ def _launch_layout_kernel(topk_idx, num_experts: int, num_ranks: int, in_rank: t
                           num_ranks, num_experts, num_experts // num_ranks, CHECK=check, BT=block,
                           KP=next_pow2(num_topk), RP=next_pow2(num_ranks), num_warps=4)
     return counts
+
+
+def _layout_kernel_takes(topk_idx: torch.Tensor) -> bool:
+    """Whether `layout_kernel` serves these top-k ids (on a GPU, up to `MAX_KERNEL_TOPK` columns)."""
+    return topk_idx.is_cuda and topk_idx.size(1) <= MAX_KERNEL_TOPK
 
 
 def _on_device_of(t: torch.Tensor):
