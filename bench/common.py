@@ -124,13 +124,10 @@ def symmetric_with_next(numel: int, dtype: torch.dtype, dev) -> tuple[torch.Tens
     """A symmetric-memory buffer of ``numel`` elements on every rank of the default group, and this rank's view of
     the next rank's (``rank + 1`` mod world, across NVLink): ``(own, next_ranks)``."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
-    group = dist.group.WORLD
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    buf = symm_mem.empty(numel, dtype=dtype, device=dev)
-    handle = symm_mem.rendezvous(buf, group)
+    from smsplit.ep.transport import symmetric_buffer
+
+    buf, handle = symmetric_buffer(numel, dtype, dist.group.WORLD, dev)
     peer = (dist.get_rank() + 1) % dist.get_world_size()
     return buf, handle.get_buffer(peer, (numel,), dtype, storage_offset=0)
 

@@ -34,16 +34,12 @@ from common import capture_graph, join_nccl, max_over_ranks, run_and_write, time
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     from smsplit.ep.copy_engine import StreamOps
     from smsplit.ep.nvlink import bump_kernel
+    from smsplit.ep.transport import symmetric_buffer
 
     nbytes = 4096 * 7168 * 2
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    buf = symm_mem.empty(nbytes + 4096, dtype=torch.uint8, device=dev)
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    buf, handle = symmetric_buffer(nbytes + 4096, torch.uint8, dist.group.WORLD, dev)
     peer = (rank + 1) % world
     peer_rows = handle.get_buffer(peer, (nbytes,), torch.uint8, storage_offset=0).data_ptr()
     peer_flags = handle.get_buffer(peer, (64,), torch.int32, storage_offset=nbytes // 4).data_ptr()  # 64 words

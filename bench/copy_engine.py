@@ -26,13 +26,11 @@ from common import call_times_ms, environment, join_nccl, max_over_ranks, run_ra
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     from smsplit.ep.copy_engine import StreamOps
+    from smsplit.ep.transport import symmetric_buffer
 
     nbytes = int(args.mb * 1e6) // 4096 * 4096
-    buf = symm_mem.empty(2 * nbytes + 4096, dtype=torch.uint8, device=dev)
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    buf, handle = symmetric_buffer(2 * nbytes + 4096, torch.uint8, dist.group.WORLD, dev)
     peer = (rank + 1) % world
     local = buf.data_ptr()
     remote = handle.buffer_ptrs[peer]

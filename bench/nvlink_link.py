@@ -36,16 +36,12 @@ CONFIGS = {  # name -> sm_copy keyword arguments
 
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
-    import torch.distributed._symmetric_memory as symm_mem
-
     from smsplit.copy import sm_copy
+    from smsplit.ep.transport import symmetric_buffer
 
     nbytes = args.mbytes * 2**20 // 16 * 16
     n = nbytes // 2
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    buf = symm_mem.empty(2 * n, dtype=torch.bfloat16, device=dev)
-    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    buf, handle = symmetric_buffer(2 * n, torch.bfloat16, dist.group.WORLD, dev)
     peer = (rank + 1) % world
     peer_in = handle.get_buffer(peer, (n,), torch.bfloat16, storage_offset=0)  # we write here
     peer_out = handle.get_buffer(peer, (n,), torch.bfloat16, storage_offset=n)  # we read from here

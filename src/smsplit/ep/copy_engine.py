@@ -21,7 +21,7 @@ from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
-from .transport import EPTimeoutError, check_combine_weights, poll_until
+from .transport import EPTimeoutError, check_combine_weights, poll_until, symmetric_buffer
 
 
 class StreamOps:
@@ -337,8 +337,6 @@ class CopyEngineTransport:
 
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
                  max_topk: int = 16, num_chunks: int = 4, num_copy_streams: int = 2, timeout_s: float = 60.0):
-        import torch.distributed._symmetric_memory as symm_mem
-
         if hidden % SCALE_BLOCK:
             raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
         if not 1 <= max_topk <= 16:
@@ -356,10 +354,7 @@ class CopyEngineTransport:
         self.offsets, total = region_offsets(_region_bytes(self.num_ranks, max_tokens, hidden, max_topk, num_chunks),
                                              ALIGN)
         self.nbytes = total
-        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.buffer, self.handle = symmetric_buffer(total, torch.uint8, group, self.device)
         self.buffer[: self.offsets["sx"]].zero_()
         self.base_addrs = list(self.handle.buffer_ptrs)
         self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)

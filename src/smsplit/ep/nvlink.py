@@ -54,7 +54,7 @@ from smsplit.trace import record_block
 
 from .layout import next_pow2 as _pow2
 from .layout import region_offsets, token_positions
-from .transport import EPError, EPTimeoutError, check_combine_weights
+from .transport import EPError, EPTimeoutError, check_combine_weights, symmetric_buffer
 
 SCALE_BLOCK = 128
 ALIGN = 256
@@ -997,8 +997,6 @@ class NvlinkTransport:
     def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
                  max_topk: int = 16, timeout_s: float = 60.0, bulk: str = "sm", copy_share: float = 1.0,
                  combine_copy_share: float = 1.0):
-        import torch.distributed._symmetric_memory as symm_mem
-
         if bulk not in BULK_MOVERS:
             raise ValueError(f"bulk must be one of {BULK_MOVERS}, got {bulk!r}")
         for name, share in (("copy_share", copy_share), ("combine_copy_share", combine_copy_share)):
@@ -1034,10 +1032,7 @@ class NvlinkTransport:
         self.timeout_s = timeout_s
         self.offsets, total = region_offsets(_region_bytes(self.num_ranks, max_tokens, hidden, max_topk), ALIGN)
         self.nbytes = total
-        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.buffer, self.handle = symmetric_buffer(total, torch.uint8, group, self.device)
         self.buffer[: self.offsets["x"]].zero_()
         self.bases = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)

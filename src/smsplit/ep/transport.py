@@ -15,11 +15,26 @@ for `backend="nvlink"`, keeping the reference transport for the host-side header
 
 import os
 import time
-from typing import Callable, List, Optional
+import warnings
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from .layout import DispatchHandle
+
+
+def symmetric_buffer(numel: int, dtype: torch.dtype, group, device: torch.device) -> Tuple[torch.Tensor, object]:
+    """A buffer of ``numel`` elements in torch symmetric memory on ``device`` and its rendezvous handle over
+    ``group`` (``handle.buffer_ptrs``: every rank's buffer, mapped into this process), made on every rank."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(name):
+        with warnings.catch_warnings():  # torch 2.11 deprecates the call (not needed there); earlier releases need it
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(name)
+    buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+    return buffer, symm_mem.rendezvous(buffer, group)
 
 
 class EPError(RuntimeError):
