@@ -361,3 +361,30 @@ def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
     strided = t[:, ::2]
     dense = _dense(strided)
     assert dense.is_contiguous() and dense.data_ptr() % 16 == 0 and torch.equal(dense, strided)
+
+
+def case_combine_rounds_once(rank, world_size):
+    """Rank 0's tokens t = 0, 1, 2 each go to all three ranks; rank r sends back 1.0 for token r and 2**-8 for the
+    others. Summed in fp32 and rounded once, every token is 1 + 2**-7 (a bf16 value); summed in bf16 in any fixed
+    order of the ranks, a token whose 1.0 comes first or second loses both 2**-8 (each a tie, rounded to even)."""
+    num_experts = 3 * world_size
+    buffer = Buffer(dist.group.WORLD, timeout_s=30)
+    n = 3 if rank == 0 else 2
+    topk = torch.full((n, 3), -1, dtype=torch.int64)
+    if rank == 0:
+        topk[:] = torch.tensor([0, 3, 6])  # one expert on each rank
+    x = torch.randn(n, 256).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk)
+    assert recv_x.size(0) == 3
+    src = handle.recv_src_idx.long()  # each received row's token index on rank 0
+    expert_out = torch.where((src == rank)[:, None], 1.0, 2.0 ** -8).expand(3, 256).to(torch.bfloat16)
+    combined, _, _ = buffer.combine(expert_out.contiguous(), handle)
+    return combined
+
+
+def test_combine_sums_in_fp32_and_rounds_once():
+    combined = gloo_pool(3).run(case_combine_rounds_once)
+    assert torch.equal(combined[0], torch.full((3, 256), 1 + 2.0 ** -7, dtype=torch.bfloat16))
+    assert combined[1].shape == (2, 256) and not combined[1].any()  # tokens sent nowhere combine to 0

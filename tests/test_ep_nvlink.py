@@ -704,6 +704,92 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="ra
     dist.destroy_process_group()
 
 
+def _buffer_rounds_worker(rank, world, port, backend):
+    """One device Buffer through rounds that change what moves (hidden size, top-k, token count, BF16 / FP8
+    quantized in the call / FP8 input, num_worst_tokens, expert_alignment), its buffers poisoned before each round,
+    some rounds with their input written late on another stream (given as `previous_event`, DeepEP's
+    `EventOverlap(EventHandle())`) and `async_finish`: every round's results equal the reference backend's. Between
+    rounds, calls that one rank makes wrongly (an expert id out of range, a CPU tensor, more tokens than
+    `num_nvl_bytes` holds) raise EPArgumentError naming that argument on every rank, and the buffer stays usable."""
+    from smsplit.ep import Buffer, EPArgumentError
+    from smsplit.ep.event import EventHandle, EventOverlap
+
+    dev = _init_nccl(rank, world, port)
+    group = dist.group.WORLD
+    T, E, last = 192, 16, world - 1
+    # (hidden, top-k, what a second dispatch moves, expert_alignment, input written late on another stream)
+    rounds = [(2048, 1, "fp8", 1, False), (4096, 9, "fp8_input", 8, True), (2048, 4, "fp8_worst", 4, True),
+              (4096, 6, "fp8_worst", 2, False), (2048, 9, "fp8_input", 1, True)]
+    nbytes = max(Buffer.get_buffer_size_hint(T, H, world, K, fp8=True, backend=backend) for H, K, *_ in rounds)
+    nbytes = max(nbytes, max(Buffer.get_buffer_size_hint(T, H, world, K, backend=backend) for H, K, *_ in rounds))
+    fast = Buffer(group, num_nvl_bytes=nbytes, num_sms=8, backend=backend, timeout_s=30)
+    ref = Buffer(group, backend="reference", timeout_s=30)
+    side = torch.cuda.Stream(dev)
+
+    def poisoned(t):  # bytes 0x7F: NaN in e4m3, about 3.4e38 in bf16 and fp32
+        p = torch.empty_like(t)
+        p.view(torch.uint8).fill_(0x7F)
+        return p
+
+    def rejected(argument, call):
+        with pytest.raises(EPArgumentError) as caught:
+            call()
+        assert caught.value.argument == argument, (rank, argument, str(caught.value))
+
+    for r, (H, K, second, align, late) in enumerate(rounds):
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        for transport in fast._nvlink_transports.values():  # the last round's rows poisoned
+            transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        g = torch.Generator(device="cpu").manual_seed(500 + 10 * r + rank)
+        x, topk, w = _routed_tokens(g, T - 11 * rank - 7 * r, H, E, K, dev)
+        if r == 1:  # wrong on the last rank only; every rank raises, before anything moves
+            common = _layout_kwargs(fast, topk, w, E)
+            wrong_ids = torch.where(topk >= 0, E, topk) if rank == last else topk
+            rejected("topk_idx", lambda: fast.dispatch(x, **{**common, "topk_idx": wrong_ids}))
+            rejected("x", lambda: fast.dispatch(x.cpu() if rank == last else x, **common))
+            many = 3 * T if rank == last else x.size(0)  # more than the buffer holds at this hidden size
+            xm, topkm, wm = _routed_tokens(g, many, H, E, K, dev)
+            rejected("num_nvl_bytes", lambda: fast.dispatch(xm, **_layout_kwargs(fast, topkm, wm, E)))
+        outs = {}
+        for name, buf in ((backend, fast), ("reference", ref)):
+            common = _layout_kwargs(buf, topk, w, E, expert_alignment=align)
+            inputs = {"bf16": x, "fp8": x, "fp8_worst": x, "fp8_input": quantize_1x128(x)}
+            previous = None
+            if late and buf is fast:  # the inputs poisoned, then written on `side` after a sleep: the calls must
+                # wait for them (the reference reads the inputs as they are: the oracle)
+                written = {kind: (poisoned(t) if isinstance(t, torch.Tensor) else tuple(map(poisoned, t)))
+                           for kind, t in inputs.items()}
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(int(2e8))  # about 0.1 s
+                    for kind, t in inputs.items():
+                        for dst, src in zip(*((written[kind], t) if isinstance(t, tuple)
+                                              else ((written[kind],), (t,)))):
+                            dst.copy_(src)
+                    previous = EventOverlap(EventHandle())
+                inputs = written
+            bf16 = buf.dispatch(inputs["bf16"], **common, previous_event=previous, async_finish=late)
+            bf16[5].current_stream_wait()
+            extra = {"fp8": dict(fp8=True), "fp8_worst": dict(fp8=True, num_worst_tokens=world * T),
+                     "fp8_input": {}}[second]
+            q = buf.dispatch(inputs[second], **common, **extra, previous_event=previous, async_finish=late)
+            q[5].current_stream_wait()
+            combined, combined_w, event = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2], async_finish=late)
+            event.current_stream_wait()
+            bf16_rows = bf16[:3]
+            q_rows = (q[0][0].view(torch.uint8), q[0][1], q[1], q[2])
+            if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
+                bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
+                q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
+            outs[name] = (*bf16_rows, bf16[3], *q_rows, q[3], combined, combined_w)
+        _assert_outputs_equal(outs[backend], outs["reference"], f"round {r}")
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
 def _buffer_sms_worker(rank, world, port, backend):
     """A Buffer made without num_sms follows `Buffer.set_num_sms` and each call's `config.num_sms`: its kernels run
     that many programs (the transport's count after each call) and every result equals the reference backend's."""
@@ -762,6 +848,13 @@ def test_buffer_nvlink_backend_equals_reference_backend(hidden):
                                                  (2048, 8, "silent_rank")])
 def test_buffer_device_backends_equal_reference_for_any_top_k_and_routing(backend, hidden, topk, routing):
     mp.spawn(_buffer_worker, args=(2, free_port(), backend, hidden, topk, routing), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])
+def test_one_buffer_through_rounds_of_other_shapes_and_rejected_calls(backend):
+    mp.spawn(_buffer_rounds_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
