@@ -12,10 +12,10 @@ for state in main watchdog main watchdog; do
   timeout -s KILL 90 python3 bench/ep.py --transports copy_engine --comm-sms 20 --reps 20 --concurrent-sms > "$log" 2>&1
   echo "$state rc $? $(grep -o 'P=20.*' "$log" | head -2 | tr '\n' ' ' | cut -c1-300)"
   pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1
-  if [ $state = watchdog ]; then patch -s -R -p1 < $P; fi
+  if [ $state = watchdog ]; then patch -s -R --no-backup-if-mismatch -p1 < $P; fi
 done
 patch -s --no-backup-if-mismatch -p1 < $P
-timeout -s KILL 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_copy_engine.py \
+timeout -s KILL 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_copy_engine.py \
   > "$OUT/pytest_copy_engine_watchdog_session33.log" 2>&1
 echo "copy-engine tests rc $?"; tail -12 "$OUT/pytest_copy_engine_watchdog_session33.log"
-patch -s -R -p1 < $P
+patch -s -R --no-backup-if-mismatch -p1 < $P

@@ -14,7 +14,7 @@ pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
 timeout -s KILL 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ep_deepep_compat.py \
   tests/test_ep_dispatch.py tests/test_moe.py > "$OUT/pytest_auto_default_session33.log" 2>&1
 echo "default-backend GPU tests rc $?"; tail -4 "$OUT/pytest_auto_default_session33.log"
-patch -s -R -p1 < bench/device/session33_auto.patch
+patch -s -R --no-backup-if-mismatch -p1 < bench/device/session33_auto.patch
 # (3) what backend="auto" trades for eager users: the reference's eager Buffer calls beside nvlink_copy_engine's
 timeout -s KILL 200 python3 bench/ep_buffer.py --backends reference nvlink_copy_engine --comm-sms 20 \
   > "$OUT/ep_buffer_ref_session33.log" 2>&1

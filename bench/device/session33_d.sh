@@ -16,4 +16,4 @@ timeout -s KILL 420 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_e
   > "$OUT/pytest_streams_buffer_nvlink_session33.log" 2>&1
 echo "nvlink buffer tests rc $?"; grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_streams_buffer_nvlink_session33.log" | cut -c1-160
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
-patch -s -R -p1 < $P
+patch -s -R --no-backup-if-mismatch -p1 < $P

@@ -11,12 +11,12 @@ timeout -s KILL 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_e
   tests/test_ep_dispatch.py tests/test_ep_errors.py tests/test_moe.py > "$OUT/pytest_streams_rest_session33.log" 2>&1
 echo "rest rc $?"; tail -4 "$OUT/pytest_streams_rest_session33.log"
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
-patch -s -R -p1 < $P
+patch -s -R --no-backup-if-mismatch -p1 < $P
 for state in main streams; do
   if [ $state = streams ]; then patch -s --no-backup-if-mismatch -p1 < $P; fi
   timeout -s KILL 120 python3 bench/ep_buffer.py --backends nvlink_copy_engine --comm-sms 20 \
     > "$OUT/ep_buffer_${state}_session33.log" 2>&1
   echo "$state rc $?"; grep "P=20" "$OUT/ep_buffer_${state}_session33.log" | cut -c1-500
   pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
-  if [ $state = streams ]; then patch -s -R -p1 < $P; fi
+  if [ $state = streams ]; then patch -s -R --no-backup-if-mismatch -p1 < $P; fi
 done
