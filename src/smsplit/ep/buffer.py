@@ -253,7 +253,9 @@ class Buffer:
             group: the communication group (the default group if None). Gloo groups work on CPU tensors, NCCL groups
                 on CUDA tensors of the current device.
             num_nvl_bytes: the receive buffer size per rank in bytes, the same on every rank; 0 for none (reference
-                backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`.
+                backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`. A
+                device backend allocates one buffer of this size per hidden size it dispatches (at the first
+                dispatch of that size).
             num_rdma_bytes: must be 0 (intranode only).
             low_latency_mode: must be False (no low-latency kernels).
             num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: DeepEP's; accepted and ignored (they
