@@ -788,7 +788,8 @@ def _buffer_rounds_worker(rank, world, port, backend):
             if name == "nvlink_copy_engine":  # received rows in source, then token order, as the reference has them
                 bf16_rows = [in_reference_order(t, bf16[4], rank) for t in bf16_rows]
                 q_rows = [in_reference_order(t, q[4], rank) for t in q_rows]
-            outs[name, written_late] = (*bf16_rows, bf16[3], *q_rows, q[3], combined, combined_w)
+            outs[name, written_late] = (*bf16_rows, bf16[3], *q_rows, q[3], combined, combined_w,
+                                        bf16[4].rank_prefix_matrix, q[4].rank_prefix_matrix)
         for written_late in (False, True)[:1 + late]:
             _assert_outputs_equal(outs[backend, written_late], outs["reference", False],
                                   f"round {r}" + ", inputs written late" * written_late)

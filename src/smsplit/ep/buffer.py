@@ -900,8 +900,8 @@ class Buffer:
         dense = lambda t: None if t is None else _dense(t)  # noqa: E731
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
-            num_local_experts, quantize=quantize,
-            num_worst_tokens=handle.num_worst_tokens, cached=handle.nvlink_layout if cached else None)
+            num_local_experts, quantize=quantize, num_worst_tokens=handle.num_worst_tokens,
+            cached=handle.nvlink_layout if cached else None, num_recv_tokens=None if cached else handle.num_recv_tokens)
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured

@@ -425,9 +425,11 @@ class CopyEngineTransport:
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                  topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int,
                  quantize: bool = False, num_worst_tokens: int = 0, cached: CopyEngineLayout | None = None,
-                 trace=None):
+                 trace=None, num_recv_tokens: int | None = None):
         """Send each token to the ranks in ``is_token_in_rank``; the same contract as
-        `smsplit.ep.nvlink.NvlinkTransport.dispatch`, but the received tensors are fresh (not views)."""
+        `smsplit.ep.nvlink.NvlinkTransport.dispatch`, but the received tensors are fresh (not views).
+        ``num_recv_tokens`` is accepted for that contract and not needed: this transport reads its counts on the
+        host."""
         self.raise_if_failed()
         R, NC, T, H, me = self.num_ranks, self.num_chunks, x.size(0), x.size(1), self.rank
         K = topk_idx.size(1) if topk_idx is not None else (topk_weights.size(1) if topk_weights is not None else 0)

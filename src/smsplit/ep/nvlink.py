@@ -1312,14 +1312,16 @@ class NvlinkTransport:
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                  topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int,
                  quantize: bool = False, num_worst_tokens: int = 0, cached: "NvlinkLayout | None" = None,
-                 trace=None):
+                 trace=None, num_recv_tokens: int | None = None):
         """Send each token to the ranks in ``is_token_in_rank`` (see module docstring).
 
         Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, layout)``;
         recv_x is bf16 unless ``x`` is FP8 or ``quantize`` (then e4m3 with fp32 scales).
         Tensors not asked for are None. All received tensors are views into the buffer.
         ``cached``: the layout of an earlier dispatch with the same ``is_token_in_rank`` on every
-        rank; skips the count exchange.
+        rank; skips the count exchange. ``num_recv_tokens``: the tokens this rank receives, when the caller knows
+        them (`Buffer` does, from its header exchange): the call then does not wait for the count exchange's
+        result (a read of it on the host), and a timeout there is raised by the next call.
         """
         self.raise_if_failed()
         R, T = self.num_ranks, x.size(0)
@@ -1366,6 +1368,8 @@ class NvlinkTransport:
             rows = cached.num_recv_rows
         elif num_worst_tokens > 0:
             rows = num_worst_tokens
+        elif num_recv_tokens is not None:
+            rows = num_recv_tokens
         else:
             rows = int(layout[2 * R].item())
             self.raise_if_failed()
