@@ -673,7 +673,9 @@ class Buffer:
         elif num_worst_tokens > 0:
             num_recv_tokens_per_expert_list = []
         else:
-            num_recv_tokens_per_expert_list = [align_up(int(c), expert_alignment) for c in recv_per_expert.tolist()]
+            counts = recv_per_expert.tolist()
+            num_recv_tokens_per_expert_list = (counts if expert_alignment == 1
+                                               else [align_up(c, expert_alignment) for c in counts])
         return (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
                 self._finish_event(async_finish))
 
