@@ -221,6 +221,13 @@ def test_local_argument_errors_need_no_group():
             Buffer(None, timeout_s=bad)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         Buffer(None, num_nvl_bytes=-1)
+    for argument, bad in (("backend", dict(backend="nvlnk")), ("num_max_tokens_per_rank", dict(num_max_tokens_per_rank=-4)),
+                          ("hidden", dict(hidden=0)), ("num_ranks", dict(num_ranks=2.0)), ("num_topk", dict(num_topk=-1))):
+        kwargs = dict(num_max_tokens_per_rank=4, hidden=HIDDEN, num_ranks=2, num_topk=TOPK, backend="nvlink")
+        kwargs.update(bad)
+        with pytest.raises(EPArgumentError) as caught:
+            Buffer.get_buffer_size_hint(**kwargs)
+        assert caught.value.argument == argument
 
 
 def case_handles_of_different_calls(rank, world_size):

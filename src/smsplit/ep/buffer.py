@@ -435,7 +435,22 @@ class Buffer:
 
         Returns:
             size: bytes.
+
+        Raises `EPArgumentError` (a ValueError) naming the argument for an unknown backend or a count out of range.
         """
+        if backend not in BACKENDS:
+            raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+        for name, value, minimum in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 0), ("hidden", hidden, 1),
+                                     ("num_ranks", num_ranks, 1), ("num_topk", num_topk, 0)):
+            _check_int(name, value, minimum)
+        return Buffer._size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, x_dtype, fp8, combine_dtype,
+                                 backend)
+
+    @staticmethod
+    def _size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
+                   x_dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+                   combine_dtype: torch.dtype = torch.bfloat16, backend: str = "reference") -> int:
+        """`get_buffer_size_hint` for arguments already checked (the calls' own checks)."""
         if backend in DEVICE_BACKENDS:
             return _transport_class(backend).buffer_bytes(num_ranks, num_max_tokens_per_rank, hidden, NVLINK_MAX_TOPK)
         dispatch_bytes = dispatch_row_bytes(hidden, 1 if fp8 else x_dtype.itemsize, fp8, num_topk)
@@ -1005,7 +1020,7 @@ class Buffer:
             if hidden % SCALE_BLOCK:
                 raise _reject("x", f"the {name} backend needs a hidden size that is a multiple of {SCALE_BLOCK}, "
                                    f"got {hidden}")
-            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk, backend=name)
+            need = self._size_hint(num_tokens, hidden, num_ranks, num_topk, backend=name)
             if need > self.num_nvl_bytes:
                 raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes with the "
                                                f"{name} backend (get_buffer_size_hint(..., backend={name!r})) but "
@@ -1014,10 +1029,10 @@ class Buffer:
                 raise _reject("topk_idx", f"the {name} backend moves up to {NVLINK_MAX_TOPK} top-k columns, got "
                                           f"{num_topk}")
         elif self.num_nvl_bytes > 0 and hidden > 0:
-            need = self.get_buffer_size_hint(num_tokens, hidden, num_ranks, num_topk,
-                                             values.dtype if scales is None and not fp8 else torch.bfloat16,
-                                             fp8 or scales is not None,
-                                             values.dtype if values.dtype in FLOAT_DTYPES else torch.bfloat16)
+            need = self._size_hint(num_tokens, hidden, num_ranks, num_topk,
+                                   values.dtype if scales is None and not fp8 else torch.bfloat16,
+                                   fp8 or scales is not None,
+                                   values.dtype if values.dtype in FLOAT_DTYPES else torch.bfloat16)
             if need > self.num_nvl_bytes:
                 raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes "
                                                f"(get_buffer_size_hint) but the buffer has {self.num_nvl_bytes}")
@@ -1064,8 +1079,7 @@ class Buffer:
             hidden = x.size(1)
             if self.num_nvl_bytes > 0:
                 num_topk = topk_weights.size(1) if isinstance(topk_weights, torch.Tensor) else 0
-                need = self.get_buffer_size_hint(handle.num_tokens, hidden, self.group_size, num_topk,
-                                                 combine_dtype=x.dtype)
+                need = self._size_hint(handle.num_tokens, hidden, self.group_size, num_topk, combine_dtype=x.dtype)
                 if need > self.num_nvl_bytes:
                     raise _reject("num_nvl_bytes", f"combining {handle.num_tokens} tokens of hidden {hidden} needs "
                                                    f"{need} bytes (get_buffer_size_hint) but the buffer has "
