@@ -77,6 +77,11 @@ def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optio
         raise _reject(name, f"expected a tensor on {device} (this buffer's device), got one on {t.device}")
 
 
+def _check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
@@ -297,8 +302,7 @@ class Buffer:
             if low_latency_mode:
                 raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels "
                                                   "exist here")
-            if backend not in BACKENDS:
-                raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+            _check_backend(backend)
             _check_int("num_nvl_bytes", num_nvl_bytes, 0)
             if num_sms is not None:
                 num_sms = _sms_count("num_sms", num_sms)
@@ -438,8 +442,7 @@ class Buffer:
 
         Raises `EPArgumentError` (a ValueError) naming the argument for an unknown backend or a count out of range.
         """
-        if backend not in BACKENDS:
-            raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
+        _check_backend(backend)
         for name, value, minimum in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 0), ("hidden", hidden, 1),
                                      ("num_ranks", num_ranks, 1), ("num_topk", num_topk, 0)):
             _check_int(name, value, minimum)
