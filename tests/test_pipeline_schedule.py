@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from smsplit.pipeline import Batch, Op, comm_plan, comm_plans, schedule, simulate
+from smsplit.pipeline import Batch, Message, Op, comm_plan, comm_plans, schedule, simulate
 from smsplit.pipeline.schedule import check_chunks, header_first
 
 PPS = [2, 4, 6, 8]
@@ -424,19 +424,63 @@ def test_batches_never_earlier_than_inputs_and_overhead_respected(kind, ranks, c
             assert all(y.start >= x.end + overhead - 1e-9 for x, y in itertools.pairwise(rb))
 
 
-@pytest.mark.parametrize("kind, ranks, chunks", [("dualpipe", 4, 8), ("dualpipev", 3, 7), ("zb1p", 4, 8)])
-def test_comm_plans_rounds_match_at_both_ends(kind, ranks, chunks):
-    plans = comm_plans(kind, ranks, chunks)
-    for rank, plan in enumerate(plans):
-        assert [x for _, x in plan] == comm_plan(kind, ranks, chunks, rank)
+def expected_messages(kind: str, pp: int, chunks: int, forward_only: bool):
+    """Per rank, from its own op list and the lanes of the module docstring: (messages its ops send, messages
+    its ops need), each mapped to the op that sends or needs it."""
+    down, up = [(r, 0) for r in range(pp)], [(r, 1) for r in reversed(range(pp))]
+    prev, nxt = {}, {}
+    for path in {"1f1b": [down], "zb1p": [down], "dualpipe": [down, up], "dualpipev": [down + up]}[kind]:
+        for a, b in itertools.pairwise(path):
+            nxt[a], prev[b] = b, a
+    out = []
+    for rank, ops in enumerate(schedule(kind, pp, chunks)):
+        sends, needs = {}, {}
+        for op in ops:
+            halves = [("act", op.forward)] + ([] if forward_only else [("grad", op.backward)])
+            for kind_, half in halves:
+                if half is None:
+                    continue
+                m, c = half
+                to, source = (nxt, prev) if kind_ == "act" else (prev, nxt)
+                if (rank, m) in to and to[(rank, m)][0] != rank:
+                    dst, dst_module = to[(rank, m)]
+                    sends[Message(kind_, rank, dst, m, dst_module, c)] = op
+                if (rank, m) in source and source[(rank, m)][0] != rank:
+                    src, src_module = source[(rank, m)]
+                    needs[Message(kind_, src, rank, src_module, m, c)] = op
+        out.append((sends, needs))
+    return out
+
+
+@pytest.mark.parametrize("kind, ranks, chunks", [("dualpipe", 2, 6), ("dualpipe", 4, 8), ("dualpipev", 1, 2),
+                                                 ("dualpipev", 3, 7), ("zb1p", 4, 8), ("1f1b", 3, 5)])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_comm_plans_carry_each_message_once_between_its_ops(kind, ranks, chunks, forward_only):
+    """Each rank's batches send exactly the messages its own ops produce, after the op, and receive exactly
+    those its own ops need, before the op; both ends post a message in batches of the same round."""
+    plans = comm_plans(kind, ranks, chunks, forward_only)
+    round_of = [{}, {}]  # [send / receive][message] -> round of the batch that posts it
+    for rank, ((sends, needs), plan) in enumerate(zip(expected_messages(kind, ranks, chunks, forward_only), plans)):
+        assert [x for _, x in plan] == comm_plan(kind, ranks, chunks, rank, forward_only)
         assert all((r is None) == isinstance(x, Op) for r, x in plan)
-    batches = [{r: x for r, x in plan if r is not None} for plan in plans]
-    for rank in range(ranks):
-        for r, batch in batches[rank].items():
-            for m in batch.sends:
-                assert m in batches[m.dst][r].recvs
-            for m in batch.recvs:
-                assert m in batches[m.src][r].sends
+        position = {x: i for i, (_, x) in enumerate(plan) if isinstance(x, Op)}
+        posted = [[], []]
+        for i, (r, item) in enumerate(plan):
+            if r is None:
+                continue
+            for side, msgs in enumerate((item.sends, item.recvs)):
+                for m in msgs:
+                    assert m in (sends, needs)[side], (rank, m, "not sent or needed by this rank's ops")
+                    posted[side].append(m)
+                    round_of[side][m] = r
+                    if side == 0:
+                        assert position[sends[m]] < i, (rank, m, "sent before the op that produces it")
+                    else:
+                        assert i < position[needs[m]], (rank, m, "received after the op that needs it")
+        assert sorted(posted[0], key=repr) == sorted(sends, key=repr), rank
+        assert sorted(posted[1], key=repr) == sorted(needs, key=repr), rank
+    assert round_of[0] == round_of[1]
+    assert forward_only or any(m.kind == "grad" for m in round_of[0]) or ranks == 1
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

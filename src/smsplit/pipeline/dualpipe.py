@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -58,14 +60,82 @@ def _encode_header(tensors: list[torch.Tensor], device) -> torch.Tensor:
     code = [len(tensors)]
     for t in tensors:
         code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(code) > HEADER_LEN:
-        raise ValueError(f"stage outputs {[tuple(t.shape) for t in tensors]} do not fit a "
-                         f"{HEADER_LEN}-entry p2p header; return fewer tensors or fewer dimensions")
     return torch.tensor(code + [0] * (HEADER_LEN - len(code)), dtype=torch.int64, device=device)
 
 
-def _decode_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _abort_header(device) -> torch.Tensor:
+    """Sent instead of a stream's first header when the sender rejected its stage outputs."""
+    return torch.tensor([-1] + [0] * (HEADER_LEN - 1), dtype=torch.int64, device=device)
+
+
+def _send_problem(outputs: list) -> str | None:
+    """Why stage outputs cannot be sent to another rank, or None."""
+    for i, t in enumerate(outputs):
+        if not isinstance(t, torch.Tensor):
+            return f"output {i} is a {type(t).__name__}, not a tensor"
+        if t.dtype not in _DTYPES:
+            return (f"output {i} has dtype {t.dtype}, which the pipeline does not send; send one of "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}")
+    entries = 1 + sum(2 + t.dim() for t in outputs)
+    if entries > HEADER_LEN:
+        return (f"outputs of shapes {[tuple(t.shape) for t in outputs]} need {entries} entries of the "
+                f"{HEADER_LEN}-entry p2p header (1 + per tensor 2 + its dimensions); return fewer tensors or "
+                f"fewer dimensions")
+    return None
+
+
+@contextlib.contextmanager
+def _saved_storages():
+    """Yields the set of storage addresses of the tensors that autograd saves for backward inside the
+    block (None where saved-tensor hooks are disabled: nothing known). A pair of saved-tensor hooks
+    already active (e.g. save_on_cpu) still packs and unpacks; otherwise tensors are kept detached
+    (an output kept as is would hold its own grad_fn), and unpacking checks, as autograd does without
+    hooks, that they were not modified in place."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield None
+        return
+    storages: set[int | None] = set()
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def record(t: torch.Tensor) -> None:
+        try:
+            storages.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # (no plain storage: sparse, some subclasses)
+            storages.add(None)
+
+    def pack(t: torch.Tensor):
+        record(t)
+        return outer[0](t) if outer else (t.detach(), t._version)
+
+    def unpack(packed) -> torch.Tensor:
+        if outer:
+            return outer[1](packed)
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: {t.type()} {list(t.shape)} is at version {t._version}; "
+                               f"expected version {version} instead")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield storages
+
+
+def _int_arg(value, what: str, error: type[Exception]) -> int:
+    """``value`` as an int (numpy integers too); ``error`` for bools and non-integers."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise error(f"{what} must be an int, got {value!r}") from None
+
+
+def _decode_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]] | None:
+    """Shapes and dtypes of the tensors a stream sends; None for an abort header."""
     code = header.tolist()
+    if code[0] < 0:
+        return None
     out, i = [], 1
     for _ in range(code[0]):
         dtype, ndim = _DTYPES[code[i]], code[i + 1]
@@ -99,7 +169,7 @@ class _Pipeline(nn.Module):
             raise RuntimeError(f"{name} needs torch.distributed: call init_process_group first")
         self.module = nn.ModuleList(modules)
         self.overlapped_forward_backward = bool(hooked)
-        self.batch_dim = batch_dim
+        self.batch_dim = _int_arg(batch_dim, f"{name}: batch_dim", TypeError)
         self.group = process_group or dist.group.WORLD
         self.num_ranks = self.group.size()
         self.timeout_s = timeout_s
@@ -118,9 +188,11 @@ class _Pipeline(nn.Module):
         self._lanes = lanes(self.kind, self.num_ranks)
         self._next: dict[int, tuple[int, int] | None] = {}
         self._prev: dict[int, tuple[int, int] | None] = {}
-        for lane in self._lanes:
+        self._lane_of: dict[int, int] = {}  # module -> its lane
+        for li, lane in enumerate(self._lanes):
             for i, (r, m) in enumerate(lane):
                 if r == self.rank:
+                    self._lane_of[m] = li
                     self._prev[m] = lane[i - 1] if i > 0 else None
                     self._next[m] = lane[i + 1] if i + 1 < len(lane) else None
         self._plans: dict[tuple[int, bool], list] = {}
@@ -160,12 +232,12 @@ class _Pipeline(nn.Module):
 
         inputs: the batch, split into micro-batches along batch_dim. Read only on ranks where a
           lane starts (DualPipe: first and last rank, DualPipeV: first rank).
-        num_chunks: number of micro-batches (DualPipe: even and >= 2*ranks, half of them enter at
-          each end; DualPipeV: >= 2*ranks).
+        num_chunks: number of micro-batches, an int (DualPipe: even and >= 2*ranks, half of them
+          enter at each end; DualPipeV: >= 2*ranks).
         criterion: loss, called as criterion(*stage_outputs, *labels) per micro-batch where a lane
           ends (DualPipe: first and last rank, DualPipeV: first rank); required there to train.
         labels: tensors split like inputs. On DualPipe's first rank they belong to the inputs of
-          the last rank and vice versa.
+          the last rank and vice versa, and must split into micro-batches of those inputs' size.
         return_outputs: also return the last stage's outputs.
 
         Returns (loss, outputs): loss is a tensor of num_chunks (DualPipe: num_chunks/2) detached
@@ -174,15 +246,22 @@ class _Pipeline(nn.Module):
         into .grad as the sum over micro-batches of each loss's gradient.
         """
         forward_only = not torch.is_grad_enabled()
-        per_lane = chunks_per_lane(self.kind, num_chunks) if isinstance(num_chunks, int) else 0
         first_module = [m for m, prev in self._prev.items() if prev is None]
         last_module = [m for m, nxt in self._next.items() if nxt is None]
         error = None
+        lane_sizes = [[0, 0] for _ in self._lanes]  # per lane: micro-batch size of its inputs, of its labels
         try:
-            self._check_step_args(inputs, num_chunks, criterion, labels, forward_only, first_module, last_module)
+            num_chunks = _int_arg(num_chunks, f"{type(self).__name__}.step: num_chunks", ValueError)
+            self._check_step_args(inputs, num_chunks, criterion, labels, forward_only, first_module, last_module,
+                                  lane_sizes)
         except (ValueError, TypeError) as e:
             error = e
-        self._agree_on_args(error, num_chunks if isinstance(num_chunks, int) else -1, forward_only)
+        except Exception as e:  # noqa: BLE001 - this rank must not give up alone while its peers wait
+            error = ValueError(f"{type(self).__name__}.step: rank {self.rank} failed to check its step arguments: "
+                               f"{type(e).__name__}: {e}")
+            error.__cause__ = e
+        self._agree_on_args(error, -1 if error is not None else num_chunks, forward_only, lane_sizes)
+        per_lane = chunks_per_lane(self.kind, num_chunks)
         self._forward_only = forward_only
         self._return_outputs = return_outputs
         self._criterion = criterion
@@ -201,6 +280,8 @@ class _Pipeline(nn.Module):
                 self._inputs[(first_module[0], c)] = [self._as_input(t) for t in chunk]
         WeightGradStore.clear()
         self._pending_sends = ([], [])
+        self._saved: dict[tuple[int, int], set | None] = {}  # storages autograd saved in the forward of a sent output
+        self._rejected: tuple[tuple[int, int], ValueError] | None = None  # outputs whose stream's first header aborts
         try:
             for item in self._plan(num_chunks, forward_only):
                 if isinstance(item, Batch):
@@ -226,21 +307,24 @@ class _Pipeline(nn.Module):
                            for ts in zip(*[self._results[c] for c in range(per_lane)])]
                 outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
         del self._inputs, self._outputs, self._out_meta, self._out_grads, self._in_grads, self._losses
-        del self._results, self._labels
+        del self._results, self._labels, self._saved
         return loss, outputs
 
-    def _check_step_args(self, inputs, num_chunks, criterion, labels, forward_only, first_module,
-                         last_module) -> None:
+    def _check_step_args(self, inputs, num_chunks, criterion, labels, forward_only, first_module, last_module,
+                         lane_sizes) -> None:
+        """Raise what is wrong with this rank's step arguments; fill ``lane_sizes[lane]`` with the micro-batch
+        sizes of the inputs and labels this rank holds for that lane."""
         name = type(self).__name__
         check_chunks(self.kind, self.num_ranks, num_chunks)
         per_lane = chunks_per_lane(self.kind, num_chunks)
-        sizes = {}
         if first_module:
             if not inputs:
                 raise ValueError(f"{name}.step: rank {self.rank} runs a first stage and needs inputs")
-            sizes["input"] = self._split_check(inputs, per_lane, "input")
-            meta = [(t.shape[:self.batch_dim] + (t.shape[self.batch_dim] // per_lane,) + t.shape[self.batch_dim + 1:],
-                     t.dtype) for t in inputs]
+            lane_sizes[self._lane_of[first_module[0]]][0] = self._split_check(inputs, per_lane, "input") // per_lane
+            meta = []
+            for i, t in enumerate(inputs):
+                dim = self._batch_dim_of(t, f"input {i}")
+                meta.append((t.shape[:dim] + (t.shape[dim] // per_lane,) + t.shape[dim + 1:], t.dtype))
             if self._known_streams and self._input_meta is not None and meta != self._input_meta:
                 raise ValueError(f"{name}.step: micro-batches of {[tuple(m) for m, _ in meta]} after "
                                  f"{[tuple(m) for m, _ in self._input_meta]} when the shapes between ranks were "
@@ -254,10 +338,14 @@ class _Pipeline(nn.Module):
                 raise TypeError(f"{name}.step: labels must be a tuple or list of tensors, got "
                                 f"{type(labels).__name__} (pass labels=(y,))")
             if labels:
-                sizes["label"] = self._split_check(labels, per_lane, "label")
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"{name}.step: inputs and labels on rank {self.rank} must have the same size along "
-                             f"batch_dim {self.batch_dim}, got {sizes}")
+                lane_sizes[self._lane_of[last_module[0]]][1] = self._split_check(labels, per_lane, "label") // per_lane
+
+    def _batch_dim_of(self, t: torch.Tensor, what: str) -> int:
+        """batch_dim as a dimension of ``t`` (negative counts from the end)."""
+        if not -t.dim() <= self.batch_dim < t.dim():
+            raise ValueError(f"{type(self).__name__}.step: batch_dim {self.batch_dim} is out of range for {what} of "
+                             f"shape {tuple(t.shape)} (dimensions {-t.dim()} to {t.dim() - 1})")
+        return self.batch_dim % t.dim()
 
     def _start(self, what: str, collective: Callable, *args, **kwargs):
         """``collective(*args, **kwargs)``, which posts messages or starts a collective (``what`` names it in
@@ -284,30 +372,41 @@ class _Pipeline(nn.Module):
             limit = f" (timeout_s={self.timeout_s:g})" if self.timeout_s is not None else ""
             raise kind(f"{type(self).__name__} rank {self.rank}: {what}{limit}: {error}", self.rank, what) from error
 
-    def _agree_on_args(self, error: Exception | None, num_chunks: int, forward_only: bool) -> None:
-        """All ranks learn whether any rank's step arguments are invalid, and whether all ranks ask for the same
-        num_chunks and the same mode (training or forward only), so that all raise before the first p2p
-        message instead of some waiting for a peer that gave up or runs another plan. The first call also
-        creates the NCCL communicator with every rank taking part, which NCCL's batched p2p needs."""
+    def _agree_on_args(self, error: Exception | None, num_chunks: int, forward_only: bool,
+                       lane_sizes: list[list[int]]) -> None:
+        """All ranks learn whether any rank's step arguments are invalid, whether all ranks ask for the same
+        num_chunks and the same mode (training or forward only), and whether the labels of each lane, held
+        where it ends, split into micro-batches of the size of its inputs, held where it starts; so that all
+        raise before the first p2p message instead of some waiting for a peer that gave up or runs another
+        plan. The first call also creates the NCCL communicator with every rank taking part, which NCCL's
+        batched p2p needs."""
         words = torch.tensor([0 if error is None else self.rank + 1, num_chunks, -num_chunks, int(forward_only),
-                              -int(forward_only)], device=self.device)
+                              -int(forward_only), *itertools.chain(*lane_sizes)], device=self.device)
         if self.num_ranks > 1:
             what = "agreeing with every rank on the step's arguments"
             self._wait(self._start(what, dist.all_reduce, words, op=dist.ReduceOp.MAX, group=self.group,
                                    async_op=True), what)
         if error is not None:
             raise error
-        flag, most, least, any_forward_only, all_forward_only = words.tolist()
+        flag, most, least, any_forward_only, all_forward_only, *sizes = words.tolist()
         name = type(self).__name__
         if flag:
-            raise RuntimeError(f"{name}.step: rank {flag - 1} rejected its step arguments (see its error); no rank "
-                               f"started the step")
+            raise ValueError(f"{name}.step: rank {flag - 1} rejected its step arguments (see its error); no rank "
+                             f"started the step")
         if most != -least:
             raise ValueError(f"{name}.step: the ranks ask for different num_chunks (from {-least} to {most}); no "
                              f"rank started the step")
         if any_forward_only != -all_forward_only:
             raise ValueError(f"{name}.step: some ranks train and some run forward only (torch.no_grad()); no rank "
                              f"started the step")
+        for lane, input_size, label_size in zip(self._lanes, sizes[::2], sizes[1::2]):
+            if input_size and label_size and input_size != label_size:
+                start, end = lane[0][0], lane[-1][0]
+                raise ValueError(
+                    f"{name}.step: the labels on rank {end} split into micro-batches of {label_size} along batch_dim "
+                    f"{self.batch_dim}, but the inputs they label, on rank {start}, into micro-batches of "
+                    f"{input_size}" + (f" (DualPipe's rank {end} holds the labels of rank {start}'s inputs)"
+                                       if start != end else "") + "; no rank started the step")
 
     def _split_check(self, tensors, per_lane: int, what: str) -> int:
         """Check that every tensor splits into ``per_lane`` non-empty micro-batches along batch_dim, all of one
@@ -317,8 +416,8 @@ class _Pipeline(nn.Module):
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}.step: {what} {i} is a {type(t).__name__}, not a tensor")
-            size = t.shape[self.batch_dim] if t.dim() > self.batch_dim else None
-            if size is None or size == 0 or size % per_lane:
+            size = t.shape[self._batch_dim_of(t, f"{what} {i}")]
+            if size == 0 or size % per_lane:
                 raise ValueError(
                     f"{name}.step: {what} {i} has shape {tuple(t.shape)}; its batch_dim "
                     f"{self.batch_dim} must be divisible into {per_lane} micro-batches"
@@ -364,15 +463,25 @@ class _Pipeline(nn.Module):
         inputs = self._inputs[(m, c)]
         if self._forward_only:
             del self._inputs[(m, c)]
-        outputs = self.module[m](*inputs)
+        nxt = self._next[m]
+        if self._forward_only or self.overlapped_forward_backward or nxt is None or nxt[0] == self.rank:
+            outputs = self.module[m](*inputs)
+        else:  # the outputs are sent, then freed where autograd did not save them
+            with _saved_storages() as saved:
+                outputs = self.module[m](*inputs)
+            self._saved[(m, c)] = saved
         criterion, labels = self._loss_fn(m, c)
         loss = criterion(*([outputs] if isinstance(outputs, torch.Tensor) else outputs), *labels) \
             if criterion is not None else None
         self._after_forward(m, c, outputs, loss)
 
     def _after_forward(self, m: int, c: int, outputs, loss) -> None:
-        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         nxt = self._next[m]
+        if nxt is not None and nxt[0] != self.rank:
+            self._check_sent_outputs(m, c, outputs)
+            if self._rejected is not None:
+                return
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         if nxt is None:
             if loss is not None:
                 self._losses[c] = loss
@@ -384,6 +493,31 @@ class _Pipeline(nn.Module):
             self._inputs[(nxt[1], c)] = [self._as_input(o) for o in outputs]
         if not self._forward_only or nxt[0] != self.rank:
             self._outputs[(m, c)] = outputs
+
+    def _check_sent_outputs(self, m: int, c: int, outputs) -> None:
+        """Raise a ValueError for outputs that cannot be sent, or that differ from what the receiver learned.
+        While the stream's first header is still to be sent, the error waits for it: an abort header goes
+        in its place, so that the receiver raises too instead of waiting for data."""
+        name = type(self).__name__
+        dst = self._next[m][0]
+        if not isinstance(outputs, (torch.Tensor, tuple, list)):
+            problem = f"it returned a {type(outputs).__name__}; return a tensor or a tuple/list of tensors"
+        else:
+            outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+            problem = _send_problem(outputs)
+        learned = (self.rank, dst, m) in self._known_streams
+        if problem is None and learned:
+            meta = [(tuple(t.shape), t.dtype) for t in outputs]
+            if meta != self._stream_meta[("out", dst, m)]:
+                problem = (f"its outputs {meta} differ from {self._stream_meta[('out', dst, m)]}, learned "
+                           f"earlier; call reset_shapes() on every rank first")
+        if problem is None:
+            return
+        error = ValueError(f"{name} rank {self.rank}: stage {m}'s outputs for chunk {c} cannot be sent to pipeline "
+                           f"rank {dst}: {problem}")
+        if learned:
+            raise error
+        self._rejected = ((m, c), error)
 
     def _backward_inputs(self, m: int, c: int):
         """(loss, outputs, output grads) to run the backward of (m, c) from."""
@@ -429,23 +563,22 @@ class _Pipeline(nn.Module):
         device = self.device
         sent: list[tuple[int, int]] = []
         sends = []
+        aborting = None  # (dst, src_module) of the stream whose first header is an abort header
         for sub in header_first(batch, self._known_streams):
             ops, headers, labels = [], [], []  # labels[i]: what ops[i] does, for errors
             for direction, msg, is_header in sub:
                 what = f"{msg.kind}{' header' if is_header else ''} of chunk {msg.chunk}"
                 if direction == "send":
                     peer = self._peer[msg.dst]
-                    if msg.kind == "act":
+                    if msg.kind == "act" and self._rejected and self._rejected[0] == (msg.src_module, msg.chunk):
+                        tensors = [_abort_header(device)]
+                        aborting = (msg.dst, msg.src_module)
+                    elif msg.kind == "act":
                         tensors = self._outputs[(msg.src_module, msg.chunk)]
-                        stream = (msg.dst, msg.src_module)
-                        meta = [(tuple(t.shape), t.dtype) for t in tensors]
                         if is_header:
-                            self._stream_meta[("out",) + stream] = meta
+                            self._stream_meta[("out", msg.dst, msg.src_module)] = [
+                                (tuple(t.shape), t.dtype) for t in tensors]
                             tensors = [_encode_header(tensors, device)]
-                        elif self._stream_meta.get(("out",) + stream) != meta:
-                            raise RuntimeError(
-                                f"{name}: stage outputs changed from {self._stream_meta.get(('out',) + stream)} "
-                                f"to {meta} since shapes were learned; call reset_shapes() on every rank first")
                         else:
                             sent.append((msg.src_module, msg.chunk))
                     else:
@@ -456,9 +589,9 @@ class _Pipeline(nn.Module):
                     peer = self._peer[msg.src]
                     if is_header:
                         buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-                        headers.append(((msg.src, msg.src_module), buf))
-                        ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
                         labels.append(f"receiving {what} from pipeline rank {msg.src}")
+                        headers.append(((msg.src, msg.src_module), buf, labels[-1]))
+                        ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
                         continue
                     if msg.kind == "act":
                         meta = self._stream_meta[("in", msg.src, msg.src_module)]
@@ -483,8 +616,25 @@ class _Pipeline(nn.Module):
                         self._wait(work, label)
                     else:
                         sends.append((work, op.tensor, label))  # the tensor must live until sent
-            for (src, src_module), buf in headers:
-                self._stream_meta[("in", src, src_module)] = _decode_header(buf)
+            aborted = []  # (label, src, src_module) of the streams whose first header is an abort header
+            for (src, src_module), buf, label in headers:
+                meta = _decode_header(buf)
+                if meta is None:
+                    aborted.append((label, src, src_module))
+                    self._known_streams.discard((src, self.rank, src_module))  # to be learned again
+                else:
+                    self._stream_meta[("in", src, src_module)] = meta
+            if aborting or aborted:  # stop after this sub-batch, which both ends post in full
+                for work, _, label in sends:
+                    self._wait(work, label)
+                self._finish_sends()
+            if aborting:
+                self._known_streams.discard((self.rank, *aborting))
+                raise self._rejected[1]
+            if aborted:
+                label, src, src_module = aborted[0]
+                raise PipelineError(f"{name} rank {self.rank}: {label}: pipeline rank {src} rejected the outputs of "
+                                    f"its stage {src_module} (see its error) and stopped the step", self.rank, label)
         for msg in batch.recvs:
             if msg.kind == "act" and not self._forward_only:
                 for t in self._inputs[(msg.dst_module, msg.chunk)]:
@@ -503,15 +653,20 @@ class _Pipeline(nn.Module):
         self._pending_sends = ([], [])
 
     def _release_output(self, key: tuple[int, int]) -> None:
-        """Free the storage of sent outputs; their autograd graph stays for the backward."""
+        """Free the storage of sent outputs that autograd did not save for the backward; their autograd
+        graph stays."""
         if self._forward_only:
             del self._outputs[key]
             return
         if self.overlapped_forward_backward:
             return  # the hook may use torch.autograd.backward, which checks output shapes
+        saved = self._saved.pop(key, None)
+        if saved is None or None in saved:
+            return  # not known what autograd saved
         inputs = self._inputs.get(key, [])
         for t in self._outputs[key]:
-            if t._base is None and t.grad_fn is not None and not any(t is i for i in inputs):
+            if (t._base is None and t.grad_fn is not None and not any(t is i for i in inputs)
+                    and t.untyped_storage().data_ptr() not in saved):
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
@@ -529,7 +684,8 @@ class DualPipe(_Pipeline):
       output_grads1) -> (outputs0, loss0)`, F&B steps call it to overlap the forward of m0 with the
       backward of m1 (from loss1 on the last stage, else from outputs1 with output_grads1);
       otherwise they run the forward, then the backward.
-    batch_dim: dimension along which inputs and labels are split into micro-batches.
+    batch_dim: dimension along which inputs and labels are split into micro-batches (negative: from
+      the end of each tensor).
     process_group: the pipeline's ranks (default: the world); needs an even size.
     rank_mapping: rank_mapping[i] is the pipeline rank of process-group rank i (default identity).
     timeout_s: (keyword only) the longest wait for a peer's message or collective where the host

@@ -61,7 +61,10 @@ class Op:
 
 
 def lanes(kind: str, pp: int) -> list[list[tuple[int, int]]]:
-    """The (rank, module) path of each lane, first stage first."""
+    """The (rank, module) path of each lane, first stage first.
+
+    kind: "1f1b", "zb1p", "dualpipe" or "dualpipev" (ValueError otherwise); pp: number of ranks.
+    """
     _check_kind(kind)
     down = [(r, 0) for r in range(pp)]
     up = [(r, 1) for r in reversed(range(pp))]
@@ -73,11 +76,18 @@ def lanes(kind: str, pp: int) -> list[list[tuple[int, int]]]:
 
 
 def chunks_per_lane(kind: str, chunks: int) -> int:
+    """Micro-batches that go through each lane when a step runs ``chunks`` in all: for "dualpipe", half of
+    them enter at each end; the other kinds have one lane. Does not check ``chunks`` (see `check_chunks`)."""
     return chunks // 2 if kind == "dualpipe" else chunks
 
 
 def check_chunks(kind: str, pp: int, chunks: int) -> None:
-    """Raise ValueError naming a valid value when (pp, chunks) cannot be scheduled."""
+    """Raise ValueError naming a valid value when (pp, chunks) cannot be scheduled.
+
+    kind: a schedule kind (see `lanes`); pp: number of ranks; chunks: micro-batches per step, as for
+    `schedule`. Both must be ints (numpy integers too; TypeError for bools and other types) and positive;
+    "dualpipe" needs an even pp and an even chunks >= 2*pp, "dualpipev" chunks >= 2*pp.
+    """
     _check_kind(kind)
     for name, value in (("pp (pipeline ranks)", pp), ("num_chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -261,7 +271,8 @@ def _neighbours(kind: str, pp: int) -> dict[tuple[int, int], tuple]:
 
 
 def stage_of(kind: str, pp: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """(rank, module) -> (lane, stage)."""
+    """(rank, module) -> (lane, stage): where each module of each rank sits, for a schedule kind (see
+    `lanes`) on pp ranks. Only the modules that the kind uses are keys (module 0 alone for 1f1b and zb1p)."""
     return {node: (li, s) for li, lane in enumerate(lanes(kind, pp)) for s, node in enumerate(lane)}
 
 
@@ -347,10 +358,17 @@ def header_first(batch: Batch, known: set) -> list[list[tuple[str, Message, bool
 
 @dataclass(frozen=True)
 class TimedOp:
+    """An op of `Simulation.ops`, placed on its lane(s) and in time.
+
+    op: the `Op`. lane, stage: where its module sits (`stage_of`), for an "FB" its forward half's.
+    b_lane, b_stage: for an "FB", its backward half's; otherwise equal to lane and stage.
+    start, end: when the rank runs it.
+    """
+
     op: Op
-    lane: int  # lane of the forward half (for "W" and "B": of the op)
-    stage: int  # stage of the forward half (or of the op)
-    b_lane: int  # "FB" only: lane and stage of the backward half
+    lane: int
+    stage: int
+    b_lane: int
     b_stage: int
     start: float
     end: float
