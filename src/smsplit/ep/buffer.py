@@ -658,7 +658,9 @@ class Buffer:
             handle = DispatchHandle(
                 buffer_id=id(self), rank=self.rank, num_ranks=self.group_size,
                 is_token_in_rank=is_token_in_rank,
-                rank_prefix_matrix=rank_prefix_matrix_from_counts(tokens_from_to, self.device),
+                # (NvlinkTransport's from its own count exchange, on the device: `_dispatch_nvlink`)
+                rank_prefix_matrix=(None if use_nvlink and self.backend != "copy_engine"
+                                    else rank_prefix_matrix_from_counts(tokens_from_to, self.device)),
                 recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
                 num_recv_tokens=recv_per_rank[self.rank], num_worst_tokens=num_worst_tokens,
                 num_local_experts=num_local_experts, round=self._round)
@@ -755,8 +757,6 @@ class Buffer:
                 round=self._round)
         recv_values, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_nvlink(
             handle, cached, values, scales, quantize, topk_idx, topk_weights, handle.num_local_experts, sms)
-        if not cached:
-            handle.rank_prefix_matrix = handle.nvlink_transport.rank_prefix_matrix()
         recv_x, recv_topk_weights = self._received(spec, recv_values, recv_scales, recv_topk_idx, recv_topk_weights,
                                                    fp8 or scales is not None, dequantize)
         return (recv_x, recv_topk_idx, recv_topk_weights, None if cached else [], handle,
@@ -924,6 +924,8 @@ class Buffer:
             cached=handle.nvlink_layout if cached else None, num_recv_tokens=None if cached else handle.num_recv_tokens)
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
+            if getattr(layout, "rank_prefix_matrix", None) is not None:
+                handle.rank_prefix_matrix = layout.rank_prefix_matrix
             received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
             handle.recv_src_idx = received.clone()
             if hasattr(transport, "plan"):  # every copy plan of the layout now, on the host (bulk="copy_engine"),

@@ -931,6 +931,9 @@ class NvlinkLayout:
             round) and (``"combine"``, ``combine_copy_share``, ``combine_chunks``), with ``bulk="copy_engine"``:
             the copies the copy engines make and where the SMs take over (see `NvlinkTransport`), made on first use
             from a host read.
+        rank_prefix_matrix: DeepEP's ``rank_prefix_matrix`` of the dispatch that made this layout (``[R, R]`` int32,
+            entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``), summed from the count matrix between the
+            notify kernel and the dispatch kernel (after it, a peer's next notify may overwrite its row).
         sent_pos: the rows the dispatch that returned this layout put the tokens in on each rank, which its combine
             reads back: ``pos``, or a `DispatchSplit`'s ``pos`` when copy engines moved rows ``0 .. m-1`` of x (a
             dispatch with ``cached`` returns a copy of it that shares ``splits``).
@@ -942,6 +945,7 @@ class NvlinkLayout:
     num_recv_rows: int
     splits: dict = field(default_factory=dict)
     sent_pos: torch.Tensor | None = None
+    rank_prefix_matrix: torch.Tensor | None = None
 
     @property
     def num_recv_tokens(self) -> torch.Tensor:
@@ -1109,8 +1113,9 @@ class NvlinkTransport:
         return view
 
     def rank_prefix_matrix(self) -> torch.Tensor:
-        """DeepEP's ``rank_prefix_matrix`` of the last dispatch with a count exchange (in stream order after it):
-        ``[R, R]`` int32, entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``; a new tensor."""
+        """DeepEP's ``rank_prefix_matrix`` of the last count exchange, in stream order right after its notify kernel
+        (a later dispatch kernel lets the peers on to their next notify, which overwrites the counts): ``[R, R]``
+        int32, entry ``[i, j]`` the tokens ranks ``0..i`` send to rank ``j``; a new tensor."""
         return self._view("counts", torch.int32, (self.num_ranks, self.num_ranks)).cumsum(0, dtype=torch.int32)
 
     def _dispatch_split(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor) -> DispatchSplit:
@@ -1373,7 +1378,8 @@ class NvlinkTransport:
         else:
             rows = int(layout[2 * R].item())
             self.raise_if_failed()
-        plans = cached if cached is not None else NvlinkLayout(pos, layout, T, rows)
+        plans = cached if cached is not None else NvlinkLayout(pos, layout, T, rows,
+                                                               rank_prefix_matrix=self.rank_prefix_matrix())
         x_words = x.view(torch.uint8).view(torch.int32) if not quantize else x
         dummy = layout
 
