@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Session 33 (2 H200), regenerated on main after FastLaunch and with cheaper stream hops (one event each way, set_stream): DeepEP's stream contract (session33_streams.patch: every Buffer call's work on the
+# (Session 35: the patch regenerated on main after session 34's docs edits: bench/device/session35_streams.patch.)
+# Session 33 (2 H200), regenerated on main after FastLaunch and with cheaper stream hops (one event each way, set_stream): DeepEP's stream contract (session35_streams.patch: every Buffer call's work on the
 # communication stream, budget.comm_stream or the buffer's own; it waits for previous_event or the calling stream;
 # async_finish lets the calling stream run ahead). Its one-GPU test passed (pytest_streams_one_gpu_session33.log);
 # here its 2-GPU overlap test for the three device backends, then the Buffer GPU tests of test_ep_nvlink.py with it.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-P=bench/device/session33_streams.patch
+P=bench/device/session35_streams.patch
 patch -s --no-backup-if-mismatch -p1 < $P
 timeout -s KILL 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_ep_streams.py \
   > "$OUT/pytest_streams_session33.log" 2>&1

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Session 33 (2 H200), regenerated on main after FastLaunch and with cheaper stream hops: with session33_streams.patch, the rest of the Buffer GPU tests (copy-engine Buffer, DeepEP
+# (Session 35: the patch regenerated on main after session 34's docs edits: bench/device/session35_streams.patch.)
+# Session 33 (2 H200), regenerated on main after FastLaunch and with cheaper stream hops: with session35_streams.patch, the rest of the Buffer GPU tests (copy-engine Buffer, DeepEP
 # compatibility, dispatch, errors, MoE), then eager Buffer calls main against the patch (bench/ep_buffer.py,
 # alternating): what the stream hops cost a call.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-P=bench/device/session33_streams.patch
+P=bench/device/session35_streams.patch
 patch -s --no-backup-if-mismatch -p1 < $P
 timeout -s KILL 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ep_copy_engine.py tests/test_ep_deepep_compat.py \
   tests/test_ep_dispatch.py tests/test_ep_errors.py tests/test_moe.py > "$OUT/pytest_streams_rest_session33.log" 2>&1
