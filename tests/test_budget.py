@@ -146,3 +146,9 @@ def test_closed_budget_refuses_its_streams():
     budget.close()
     with pytest.raises(RuntimeError, match="closed"):
         _ = budget.comm_stream
+
+
+@pytest.mark.parametrize("bad", ["cuda0", "gpu:0", -1, True])
+def test_a_malformed_device_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        SmBudget(20, device=bad, mode="grid")

@@ -623,6 +623,17 @@ def _assert_outputs_equal(got, expected, label):
             assert torch.equal(a, b), f"{label}: output {i} differs"
 
 
+def _poison_device_buffers(buf, rank):
+    """Every device transport of ``buf`` filled with 0x7F from its receive area ("x", else "sx") on, between two
+    barriers: the first once every peer is done with the last call's rows, the second before any peer writes again."""
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])  # (every peer done with them)
+    for transport in buf._nvlink_transports.values():
+        transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[rank])
+
+
 def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="random"):
     """Buffer(backend=backend) against Buffer(backend="reference") on the same inputs: hidden size H, top-K, tokens
     routed at random ("random"), every token to rank 0 ("one_rank"), or rank 0 sending none ("silent_rank")."""
@@ -636,12 +647,7 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="ra
     ref = Buffer(group, backend="reference", timeout_s=30)
     for seed in range(3):
         # the last seed's rows in the device buffer poisoned: this seed's results must not read any of them
-        torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])  # (every peer done with them)
-        for transport in fast._nvlink_transports.values():
-            transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
-        torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])
+        _poison_device_buffers(fast, rank)
         g = torch.Generator(device="cpu").manual_seed(100 * seed + rank)
         x, topk, w = _routed_tokens(g, T - 17 * rank - 30 * seed, H, E, K, dev)
         if routing == "one_rank":
@@ -720,8 +726,8 @@ def _buffer_rounds_worker(rank, world, port, backend):
     # (hidden, top-k, what a second dispatch moves, expert_alignment, input written late on another stream)
     rounds = [(2048, 1, "fp8", 1, False), (4096, 9, "fp8_input", 8, True), (2048, 4, "fp8_worst", 4, True),
               (4096, 6, "fp8_worst", 2, False), (2048, 9, "fp8_input", 1, True)]
-    nbytes = max(Buffer.get_buffer_size_hint(T, H, world, K, fp8=True, backend=backend) for H, K, *_ in rounds)
-    nbytes = max(nbytes, max(Buffer.get_buffer_size_hint(T, H, world, K, backend=backend) for H, K, *_ in rounds))
+    nbytes = max(Buffer.get_buffer_size_hint(T, H, world, K, fp8=fp8, backend=backend)
+                 for H, K, *_ in rounds for fp8 in (False, True))
     fast = Buffer(group, num_nvl_bytes=nbytes, num_sms=8, backend=backend, timeout_s=30)
     ref = Buffer(group, backend="reference", timeout_s=30)
     side = torch.cuda.Stream(dev)
@@ -731,18 +737,16 @@ def _buffer_rounds_worker(rank, world, port, backend):
         p.view(torch.uint8).fill_(0x7F)
         return p
 
+    def parts(t):  # a tensor, or DeepEP's (x_fp8, scales), as a tuple of tensors
+        return (t,) if isinstance(t, torch.Tensor) else t
+
     def rejected(argument, call):
         with pytest.raises(EPArgumentError) as caught:
             call()
         assert caught.value.argument == argument, (rank, argument, str(caught.value))
 
     for r, (H, K, second, align, late) in enumerate(rounds):
-        torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])
-        for transport in fast._nvlink_transports.values():  # the last round's rows poisoned
-            transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
-        torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])
+        _poison_device_buffers(fast, rank)  # the last round's rows poisoned
         g = torch.Generator(device="cpu").manual_seed(500 + 10 * r + rank)
         x, topk, w = _routed_tokens(g, T - 11 * rank - 7 * r, H, E, K, dev)
         if r == 1:  # wrong on the last rank only; every rank raises, before anything moves
@@ -769,8 +773,7 @@ def _buffer_rounds_worker(rank, world, port, backend):
                 with torch.cuda.stream(side):
                     torch.cuda._sleep(int(2e8))  # about 0.1 s
                     for kind, t in inputs.items():
-                        for dst, src in zip(*((written[kind], t) if isinstance(t, tuple)
-                                              else ((written[kind],), (t,)))):
+                        for dst, src in zip(parts(written[kind]), parts(t)):
                             dst.copy_(src)
                     previous = EventOverlap(EventHandle())
                 inputs = written

@@ -277,3 +277,31 @@ def test_the_triton_quantizer_refuses_a_cpu_tensor_and_quantize_activations_a_li
         quantize_1x128_triton(torch.randn(2, 128))
     with pytest.raises(ValueError, match="x: expected a torch.Tensor"):
         quantize_activations([[0.0] * 128])
+
+
+def test_dequantize_128x128_checks_its_arguments_like_dequantize_1x128():
+    from smsplit.fp8 import dequantize_128x128, quantize_128x128
+
+    q, s = quantize_128x128(torch.randn(130, 200) * 100)
+    for bad in (torch.int32, torch.float8_e4m3fn, "bfloat16"):  # int32 used to truncate silently
+        with pytest.raises(ValueError, match="dtype: expected a floating-point dtype"):
+            dequantize_128x128(q, s, bad)
+    with pytest.raises(ValueError, match="scales: expected a torch.Tensor"):
+        dequantize_128x128(q, s.tolist())
+    with pytest.raises(ValueError, match="w_fp8: expected a 2-D"):
+        dequantize_128x128(q.tolist(), s)
+    assert dequantize_128x128(q, s, torch.float64).dtype == torch.float64
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_the_triton_quantizer_runs_on_its_tensors_device_not_the_current_one():
+    from smsplit.fp8 import quantize_1x128, quantize_1x128_triton
+
+    x = torch.randn(64, 512, device="cuda:1", dtype=torch.bfloat16)
+    with torch.cuda.device(0):
+        q, s = quantize_1x128_triton(x)
+    torch.cuda.synchronize(1)
+    ref_q, ref_s = quantize_1x128(x)
+    assert q.device == x.device and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(s, ref_s)

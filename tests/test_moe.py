@@ -66,6 +66,31 @@ def test_update_bias_moves_against_load():
     assert router.load.sum() == 0
 
 
+def test_router_balancing_state_stays_fp32_when_the_model_is_cast():
+    """``model.to(torch.bfloat16)`` used to cast the bias and the load count too: the count stopped at 256 per
+    expert and bias steps of 1e-3 rounded away, so balancing silently stopped."""
+    torch.manual_seed(8)
+    moe = MoE(dim=128, inter_dim=32, n_experts=8, topk=2, fp8_dispatch=False).to(torch.bfloat16)
+    router = moe.router
+    assert router.bias.dtype == router.load.dtype == torch.float32
+    _, idx = moe.route(torch.randn(4096, 128, dtype=torch.bfloat16))
+    counts = torch.bincount(idx.flatten(), minlength=8)
+    assert counts.max() > 256
+    assert router.load.tolist() == counts.tolist()
+    router.bias.fill_(1.0)
+    load = router.update_bias()
+    assert router.bias.tolist() == pytest.approx((1.0 + 1e-3 * torch.sign(load.mean() - load)).tolist())
+    assert router.double().bias.dtype == torch.float32
+
+
+def test_router_takes_bias_update_speed_zero():
+    """DeepSeek-V3 sets the bias update speed to 0 for its last 500B tokens: a valid setting, no error."""
+    router = Router(dim=8, n_experts=4, topk=1, bias_update_speed=0.0)
+    router.load.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    router.update_bias()
+    assert router.bias.tolist() == [0.0] * 4
+
+
 def test_router_counts_load_in_training_only():
     router = Router(dim=8, n_experts=4, topk=2)
     x = torch.randn(10, 8)
@@ -108,6 +133,84 @@ def test_grouped_mm_matches_per_expert_matmuls(defer):
     torch.testing.assert_close(w.grad, gw_ref)
     assert w.grad[1].abs().sum() == 0  # the empty group gets no gradient
     WeightGradStore.clear()
+
+
+def _per_expert_mm(x, w, counts):
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    return torch.cat([x[s:s + n] @ w[e].t() for e, (s, n) in enumerate(zip(starts, counts))])
+
+
+@pytest.mark.parametrize("layout", ["expanded gradient", "strided x"])
+def test_grouped_mm_takes_operands_of_any_strides(layout, monkeypatch):
+    """torch._grouped_mm refuses operands that are neither row- nor column-major; once it has run for a key, such
+    an x or gradient (``out.sum().backward()``, a strided view) used to raise instead of computing."""
+    from smsplit.moe import layer
+
+    monkeypatch.setattr(layer, "GROUPED_MM_PATH", {})
+    counts = [2, 0, 3, 1]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    w = torch.randn(4, 8, 16, requires_grad=True)
+    grouped_mm(torch.randn(6, 16), w, offs).backward(torch.randn(6, 8))
+    w.grad, paths = None, dict(layer.GROUPED_MM_PATH)
+    x = (torch.randn(6, 32)[:, ::2] if layout == "strided x" else torch.randn(6, 16)).requires_grad_()
+    out = grouped_mm(x, w, offs)
+    out.sum().backward()  # (the gradient of a sum is an expanded tensor: strides 0)
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = _per_expert_mm(xr, wr, counts)
+    ref.sum().backward()
+    assert layer.GROUPED_MM_PATH == paths  # (and no switch to the loop)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_grouped_mm_defers_the_gradient_of_a_parameter_only():
+    """With the store enabled, a weight computed from a parameter (a cast, as in mixed precision) used to get its
+    deferred gradient on the cast tensor, so the parameter got none; now it gets it at once."""
+    counts = [2, 0, 3]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x, g = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    p = torch.nn.Parameter(torch.randn(3, 8, 16))
+    _per_expert_mm(x, p.double(), counts).backward(g)
+    ref, p.grad = p.grad, None
+    WeightGradStore.clear()
+    WeightGradStore.enabled = True
+    try:
+        grouped_mm(x, p.double(), offs).backward(g)
+    finally:
+        WeightGradStore.enabled = False
+    WeightGradStore.flush()
+    WeightGradStore.pop()
+    WeightGradStore.clear()
+    assert p.grad is not None
+    torch.testing.assert_close(p.grad, ref)
+
+
+def test_grouped_mm_with_no_token_leaves_torch_grouped_mm_alone(monkeypatch):
+    """A rank whose local experts got no token: the weight gradient's contraction has length 0, which CUDA's
+    torch._grouped_mm refuses (pytorch/pytorch#192497; mimicked here), so after a busy step the backward raised.
+    Now such calls give zeros without it and leave the recorded path as it was."""
+    from smsplit.moe import layer
+
+    real = torch._grouped_mm
+
+    def cuda_like(a, b, offs=None):
+        if a.numel() == 0 or b.numel() == 0:
+            raise RuntimeError("strides should be multiple of 16 bytes")
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", cuda_like)
+    monkeypatch.setattr(layer, "GROUPED_MM_PATH", {})
+    w = torch.randn(4, 8, 16, requires_grad=True)
+    for n in (6, 0):  # a busy step, then one with no token
+        x = torch.randn(n, 16, requires_grad=True)
+        counts = [n // 2, 0, n - n // 2, 0]
+        out = grouped_mm(x, w, torch.tensor(counts).cumsum(0).to(torch.int32))
+        w.grad = None
+        out.backward(torch.randn(n, 8))
+    assert out.shape == (0, 8) and x.grad.shape == (0, 16)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    assert set(layer.GROUPED_MM_PATH.values()) == {"torch._grouped_mm"}
 
 
 # --- MoE layer ----------------------------------------------------------------------------------------
@@ -337,7 +440,7 @@ def test_router_weights_are_normalised_scores_times_route_scale():
     (dict(dim=0), "dim must be an int >= 1"), (dict(n_groups=0), "n_groups must be an int >= 1"),
     (dict(route_scale=0.0), "route_scale must be a finite number > 0"),
     (dict(route_scale=float("nan")), "route_scale must be"),
-    (dict(bias_update_speed=-1e-3), "bias_update_speed must be a finite number > 0"),
+    (dict(bias_update_speed=-1e-3), "bias_update_speed must be a finite number >= 0"),
     (dict(n_groups=3), "must divide into n_groups=3"), (dict(topk_groups=5), "topk_groups must lie in"),
     (dict(topk=5, n_groups=4, topk_groups=2), "do not fit")])
 def test_router_refuses_bad_arguments(kwargs, words):
@@ -370,6 +473,25 @@ def test_moe_layer_refuses_bad_arguments(kwargs, words):
 def test_model_config_refuses_a_model_that_cannot_be_built(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ModelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(pp_rank=1, pp_size=1), "pp_rank must lie in"), (dict(pp_rank=-1, pp_size=2), "pp_rank must be an int >= 0"),
+    (dict(pp_size=0), "pp_size must be an int >= 1")])
+def test_build_stages_refuses_a_pipeline_rank_it_does_not_have(kwargs, words):
+    """``build_stages(cfg, pp_rank=pp_size)`` used to return stages without embedding or head (or of no layers)."""
+    with pytest.raises(ValueError, match=words):
+        build_stages(ModelConfig(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=3), "n_experts=8 must divide evenly over the 3 EP ranks"),
+    (dict(world_size=3, pp=3, chunks=6, batch=6), "n_layers=4 must divide into 2 \\* pp = 6 stages")])
+def test_run_demo_refuses_a_layout_its_model_cannot_take_before_spawning(kwargs, words, tmp_path):
+    from smsplit.moe.train import run_demo
+
+    with pytest.raises(ValueError, match=words):
+        run_demo(str(tmp_path), steps=1, device="cpu", progress=False, **kwargs)
 
 
 def _update_biases_case(rank, world):

@@ -196,3 +196,55 @@ def test_a_new_trace_tag_does_not_recompile_traced_kernels():
     for kernel, tag in ((persistent_copy_kernel, "tag"), (_probe_kernel, "tag"),
                         (dispatch_kernel, "trace_tag"), (combine_kernel, "trace_tag")):
         assert tag in [p.name for p in kernel.params if p.do_not_specialize]
+
+
+def test_records_of_the_wrong_shape_or_fractional_values_are_refused_not_reread():
+    # [4, 3] used to be reshaped into 3 records of 4 values, and float times cut to whole ns
+    with pytest.raises(ValueError, match="rows of 4 values"):
+        Trace.from_records(np.zeros((4, 3), dtype=np.int64), [("a", "comm")])
+    with pytest.raises(ValueError, match="whole numbers"):
+        Trace.from_records([[0, 0.4, 10.9, 0]], [("a", "comm")])
+    assert Trace.from_records([[0, 0.0, 10.0, 0]], [("a", "comm")]).records().tolist() == [[0, 0, 10, 0]]
+    assert Trace.from_records([], [("a", "comm")]).records().shape == (0, 4)
+
+
+def test_a_probe_on_a_trace_made_from_records_says_so():
+    with pytest.raises(RuntimeError, match="no device buffer"):  # not a CUDA error from the device query
+        Trace.from_records([], []).probe(None, "p")
+
+
+class _FakeLaunch:
+    """Stands in for a Triton kernel: records the grid and the arguments instead of launching."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_copy_takes_any_contiguous_shape_whose_size_is_a_multiple_of_16(monkeypatch):
+    import smsplit.copy as copy
+
+    monkeypatch.setattr(copy, "_check_tensor", lambda t, name: None)  # CPU tensors stand in for CUDA ones
+    kernel = _FakeLaunch()
+    monkeypatch.setattr(copy, "persistent_copy_kernel", kernel)
+    src = torch.arange(64, dtype=torch.bfloat16).reshape(64, 1)  # 128 bytes; 2 bytes a row
+    dst = torch.empty_like(src)
+    copy.sm_copy(dst, src, 4)
+    (grid, args, _), = kernel.launches
+    assert grid == (4,) and args[2] == 8  # 8 vectors of 16 bytes
+    assert args[0].data_ptr() == src.data_ptr() and args[1].data_ptr() == dst.data_ptr()
+    assert args[0].dtype == torch.int32 and args[0].numel() == 32
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(block=1000), "block must be a power of two"),
+                                            (dict(num_warps=3), "num_warps must be a power of two"),
+                                            (dict(num_programs=2.5), "num_programs must be an int"),
+                                            (dict(num_programs=True), "num_programs must be an int"),
+                                            (dict(method="tma", stages=2.5), "stages must be an int")])
+def test_copy_arguments_triton_would_reject_are_value_errors_first(kwargs, message):
+    # (before the device check: on a GPU these were Triton's CompilationError / AssertionError / launch errors)
+    kwargs.setdefault("num_programs", 4)
+    with pytest.raises(ValueError, match=message):
+        sm_copy(torch.empty(64), torch.empty(64), **kwargs)

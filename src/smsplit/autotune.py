@@ -3,15 +3,17 @@
     best, table = autotune_split(lambda c: overlapped_step(comm_sms=c["comm_sms"], transport=c["transport"]),
                                  [{"comm_sms": n, "transport": t} for n in (8, 16, 24, 32) for t in ("reference", "nvlink")])
 
-Each candidate's step is run ``warmup`` times, then timed over ``iters`` runs with CUDA events (after a device
-synchronize on both sides, so work on any stream counts). With a process group, every rank's time is replaced
-by the slowest rank's, so all ranks pick the same candidate. A candidate whose step raises is recorded with its
-error and never picked (on every rank: a failure anywhere counts as infinitely slow).
+Each candidate's step is run ``warmup`` times, then timed over ``iters`` runs: host clock between two device
+synchronizes, so the work the step leaves on any stream of the current device counts (CUDA events on the current
+stream would miss work on a budget's streams that the step does not join back). With a process group, every
+rank's time is replaced by the slowest rank's, so all ranks pick the same candidate. A candidate whose step
+raises is recorded with its error and never picked (on every rank: a failure anywhere counts as infinitely slow).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +27,7 @@ def autotune_split(fn: Callable[[Any], object], candidates: Sequence[Any], *, wa
     Args:
         fn: runs one step with the given candidate split.
         candidates: the splits to try (any objects; dicts of settings read well in the table).
-        warmup, iters: untimed and timed runs per candidate.
+        warmup, iters: untimed (>= 0) and timed (>= 1) runs per candidate.
         group: the ranks that tune together (None: this process alone).
 
     Returns:
@@ -34,13 +36,18 @@ def autotune_split(fn: Callable[[Any], object], candidates: Sequence[Any], *, wa
             a group; ``inf`` if it failed), ``error`` (the exception text on this rank, or None).
 
     Raises:
+        ValueError: no candidates, or ``warmup`` / ``iters`` out of range (before anything runs).
         RuntimeError: without a CUDA GPU (there is no SM split to tune on a CPU), or when every candidate fails.
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("autotune_split measures steps with CUDA events and needs a CUDA GPU; this machine "
-                           "has none (there are no SMs to split on a CPU)")
+    for name, value, least in (("warmup", warmup, 0), ("iters", iters, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    candidates = list(candidates)
     if not candidates:
         raise ValueError("autotune_split needs at least one candidate")
+    if not torch.cuda.is_available():
+        raise RuntimeError("autotune_split times steps on a CUDA device and needs a CUDA GPU; this machine "
+                           "has none (there are no SMs to split on a CPU)")
     table = []
     for candidate in candidates:
         error = None
@@ -48,13 +55,11 @@ def autotune_split(fn: Callable[[Any], object], candidates: Sequence[Any], *, wa
             for _ in range(warmup):
                 fn(candidate)
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = time.perf_counter()
             for _ in range(iters):
                 fn(candidate)
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / iters
+            torch.cuda.synchronize()  # every stream of the device, not only the current one
+            ms = (time.perf_counter() - start) * 1e3 / iters
         except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
             error, ms = f"{type(e).__name__}: {e}", math.inf
         if group is not None:

@@ -84,9 +84,12 @@ def plan_split(comm_sms: int, total_sms: int, min_partition: int = 1, alignment:
 def _resolve_device(device) -> torch.device:
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cuda"
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
+    try:
+        if isinstance(device, bool):  # (an int to torch, not a device)
+            raise TypeError(f"a bool is not a device: {device!r}")
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as e:  # "cuda0", -1, 2.5: torch's own errors, as ValueError like the rest
+        raise ValueError(f"device must be a CUDA device index, string or torch.device, got {device!r} ({e})") from e
     if device.type != "cuda":
         raise ValueError(f"SmBudget splits the SMs of a CUDA device; got device={device}")
     if not torch.cuda.is_available():

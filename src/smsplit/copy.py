@@ -13,6 +13,8 @@ Two methods:
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -83,6 +85,9 @@ def _check_tensor(t: torch.Tensor, name: str) -> None:
 
 def _as_words(t: torch.Tensor, name: str) -> torch.Tensor:
     _check_tensor(t, name)
+    # flat first: viewing bytes as int32 needs the last dimension's bytes to be a multiple of 4, which a
+    # [n, 1] bfloat16 tensor (any multiple of 16 bytes in all) is not
+    t = t.reshape(-1)  # a view: t is contiguous
     return t.view(torch.uint8).view(torch.int32) if t.dtype != torch.int32 else t
 
 
@@ -104,14 +109,16 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trac
     persistent programs on the current stream. With ``trace``, each program records where and when
     it ran under ``name``/``kind``.
 
+    ``block`` and ``num_warps`` must be powers of two.
+
     ``method="ldst"`` (default; ``block`` 2048, ``num_warps`` 8): 16-byte loads and stores by every
     thread, ``block`` vectors per program per step. ``evict_first`` keeps the copied lines from
     displacing other kernels' data in L2.
 
     ``method="tma"`` (sm_90+; ``block`` 1024, ``num_warps`` 4, ``stages`` 8): TMA bulk copies through
     a ring of ``stages`` shared-memory tiles of ``block`` 16-byte vectors, so up to ``stages - 1``
-    tiles (112 KiB with the defaults) are being loaded per program while it stores. ``block`` must
-    be a power of two, ``stages * block * 16`` at most 227 KiB, the copy at most 8 GiB;
+    tiles (112 KiB with the defaults) are being loaded per program while it stores.
+    ``stages * block * 16`` at most 227 KiB, the copy at most 8 GiB;
     ``evict_first`` is not available (Triton's descriptor loads take no cache hint).
     """
     if method not in METHODS:
@@ -123,8 +130,12 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trac
         raise ValueError(f"src has {src.nbytes} bytes and dst {dst.nbytes}; they must match")
     if src.nbytes % 16:
         raise ValueError(f"the copy moves 16-byte vectors; {src.nbytes} bytes is not a multiple of 16")
-    if num_programs < 1:
-        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    if isinstance(num_programs, bool) or not isinstance(num_programs, numbers.Integral) or num_programs < 1:
+        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+    num_programs = int(num_programs)
+    for what, value in (("block", block), ("num_warps", num_warps)):  # Triton needs both powers of two
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{what} must be a power of two, got {value!r}")
     if method == "ldst":
         if stages is not None:
             raise ValueError("stages applies to method='tma' only")
@@ -133,10 +144,8 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trac
         stages = default_stages if stages is None else stages
         if evict_first:
             raise ValueError("evict_first is not available with method='tma'")
-        if block < 1 or block & (block - 1):
-            raise ValueError(f"block must be a power of two for method='tma', got {block}")
-        if stages < 1:
-            raise ValueError(f"stages must be >= 1, got {stages}")
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"stages must be an int >= 1, got {stages!r}")
         if tma_shared_bytes(block, stages) > MAX_SHARED_BYTES:
             raise ValueError(f"stages * block * 16 = {tma_shared_bytes(block, stages)} bytes of shared memory; "
                              f"at most {MAX_SHARED_BYTES}")

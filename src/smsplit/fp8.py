@@ -23,6 +23,11 @@ BLOCK = 128
 AMAX_FLOOR = 1e-4
 
 
+def _check_output_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"dtype: expected a floating-point dtype of 16 bits or more, got {dtype}")
+
+
 def _check_1x128_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -71,8 +76,7 @@ def dequantize_1x128(x_fp8: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"x_fp8: expected a {FP8_DTYPE} tensor, got {getattr(x_fp8, 'dtype', type(x_fp8).__name__)}")
     if not isinstance(scales, torch.Tensor):
         raise ValueError(f"scales: expected a torch.Tensor, got {type(scales).__name__}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise ValueError(f"dtype: expected a floating-point dtype of 16 bits or more, got {dtype}")
+    _check_output_dtype(dtype)
     if x_fp8.dim() < 1 or x_fp8.size(-1) % BLOCK != 0:
         raise ValueError(f"x_fp8: the last dimension must be a multiple of {BLOCK}, got {tuple(x_fp8.shape)}")
     expected = (*x_fp8.shape[:-1], x_fp8.size(-1) // BLOCK)
@@ -115,13 +119,17 @@ def dequantize_128x128(w_fp8: torch.Tensor, scales: torch.Tensor,
     Arguments:
         w_fp8: `[m, n]` with `torch.float8_e4m3fn`.
         scales: `[ceil(m / 128), ceil(n / 128)]` with `torch.float32`.
-        dtype: the dtype of the result.
+        dtype: the dtype of the result (bfloat16, float16, float32 or float64).
 
     Returns:
         w: `[m, n]` with `dtype`.
     """
-    if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2:
-        raise ValueError(f"w_fp8: expected a 2-D {FP8_DTYPE} tensor, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    if not isinstance(w_fp8, torch.Tensor) or w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2:
+        raise ValueError(f"w_fp8: expected a 2-D {FP8_DTYPE} tensor, got "
+                         f"{getattr(w_fp8, 'dtype', type(w_fp8).__name__)} {tuple(getattr(w_fp8, 'shape', ()))}")
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"scales: expected a torch.Tensor, got {type(scales).__name__}")
+    _check_output_dtype(dtype)
     m, n = w_fp8.shape
     expected = (-(-m // BLOCK), -(-n // BLOCK))
     if scales.dtype != torch.float32 or tuple(scales.shape) != expected:
@@ -248,8 +256,9 @@ def quantize_1x128_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(num_rows, hidden // BLOCK, dtype=torch.float32, device=x.device)
     if num_rows > 0:
         grid = (triton.cdiv(num_rows, QUANTIZE_BLOCK_ROWS), hidden // BLOCK)
-        quantize_1x128_kernel[grid](x2d, x_fp8, scales, num_rows, hidden,
-                                    BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, TILE=BLOCK)
+        with torch.cuda.device(x.device):  # Triton launches on the current device, which may not be x's
+            quantize_1x128_kernel[grid](x2d, x_fp8, scales, num_rows, hidden,
+                                        BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, TILE=BLOCK)
     return x_fp8.view(x.shape), scales.view(*x.shape[:-1], hidden // BLOCK)
 
 

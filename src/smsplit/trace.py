@@ -117,6 +117,8 @@ class Trace:
             spin_ns: how long each program spins before it records its end, in ns (long enough that the
                 programs spread over the SMs instead of reusing the first ones).
         """
+        if self._buffer is None:
+            raise RuntimeError("this Trace has no device buffer (made from records)")
         if programs is None:
             programs = 8 * torch.cuda.get_device_properties(self.device).multi_processor_count
         start = self._used
@@ -152,7 +154,18 @@ class Trace:
         for _, kind in trace.tags:
             if kind not in KIND_COLOURS:
                 raise ValueError(f"tag kind must be one of {sorted(KIND_COLOURS)}, got {kind!r}")
-        rows = np.asarray(records, dtype=np.int64).reshape(-1, int(RECORD_WORDS))
+        given = np.asarray(records)
+        if given.size == 0:
+            given = given.reshape(0, int(RECORD_WORDS))
+        if given.ndim != 2 or given.shape[1] != int(RECORD_WORDS):
+            raise ValueError(f"records must be rows of {int(RECORD_WORDS)} values (sm, start_ns, end_ns, tag_id), "
+                             f"got an array of shape {given.shape}")
+        whole = np.issubdtype(given.dtype, np.integer) or (
+            np.issubdtype(given.dtype, np.floating) and np.isfinite(given).all() and (given == np.round(given)).all())
+        if not whole:  # (a float time in us would be cut to whole ns, silently)
+            raise ValueError(f"records must hold whole numbers (SM ids, times in ns, tag ids), got {given.dtype} values "
+                             "that are not")
+        rows = given.astype(np.int64)
         if len(rows) and (rows[:, 3].min() < 0 or rows[:, 3].max() >= len(trace.tags)):
             raise ValueError("a record's tag id has no entry in tags")
         if len(rows) and (rows[:, 2] < rows[:, 1]).any():

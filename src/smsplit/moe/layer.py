@@ -39,6 +39,14 @@ def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
 
 
 def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: str) -> torch.Tensor:
+    if a.numel() == 0 or b.numel() == 0:
+        # No rows, or (weight form) no tokens in any group: zeros, without asking torch._grouped_mm. Its CUDA check
+        # refuses a zero-length contraction whatever the strides in some torch versions (pytorch/pytorch PR #192497;
+        # torch 2.11 on an H200 took it: bench/device/session35_grouped_mm_probe.py); where it raises, the first call
+        # would switch this key to the loop for good.
+        if a.dim() == 2 and b.dim() == 3:
+            return a.new_zeros(a.size(0), b.size(-1))
+        return a.new_zeros(offs.numel(), a.size(0), b.size(-1))
     key = (a.device.type, a.dtype, what)
     path = GROUPED_MM_PATH.get(key)
     if path != "loop" and hasattr(torch, "_grouped_mm"):
@@ -56,14 +64,22 @@ def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: 
 
 
 class _GroupedMM(torch.autograd.Function):
+    # torch._grouped_mm takes row-major (or, for the weights, column-major) operands only, so x, the weight and
+    # the incoming gradient are made contiguous (no copy in the MoE layer, where they already are).
+
     @staticmethod
     def forward(ctx, x, weight, offs):
-        ctx.save_for_backward(x, weight, offs)
-        return _raw_grouped_mm(x, weight.transpose(-2, -1), offs, "forward")
+        x, weight_c = x.contiguous(), weight.contiguous()
+        ctx.save_for_backward(x, weight_c, offs)
+        # the deferred weight gradient goes to the weight itself, which must then be a leaf (a parameter): the
+        # gradient of a weight computed from one (a cast, say) has to go on through autograd, so it is not deferred
+        ctx.leaf_weight = weight if weight.is_leaf else None
+        return _raw_grouped_mm(x, weight_c.transpose(-2, -1), offs, "forward")
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
         grad_x = _raw_grouped_mm(grad_out, weight, offs, "forward") if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None
@@ -71,7 +87,9 @@ class _GroupedMM(torch.autograd.Function):
         def weight_grad():
             return _raw_grouped_mm(grad_out.t(), x, offs, "weight")
 
-        if WeightGradStore.enabled:
+        if WeightGradStore.enabled and ctx.leaf_weight is not None:
+            weight = ctx.leaf_weight
+
             def deferred():
                 grad = weight_grad()
                 weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
@@ -86,7 +104,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> tor
     (``nn.Linear`` layout) and ``offs`` ``[E]`` int32 cumulative row counts ending at ``T``. Returns ``[T, N]``.
 
     Uses ``torch._grouped_mm`` where the installed torch runs it for this device and dtype, else a loop of
-    matmuls. Differentiable; while ``WeightGradStore.enabled`` the weight gradient is deferred to the store."""
+    matmuls. Differentiable; while ``WeightGradStore.enabled`` the gradient of a leaf ``weight`` (a parameter)
+    is deferred to the store (a weight computed from a parameter gets its gradient at once)."""
     return _GroupedMM.apply(x, weight, offs)
 
 
@@ -181,7 +200,7 @@ class MoE(nn.Module):
         ep_rank, ep_size: this rank's place in the EP group; it holds experts
             ``[ep_rank * n_experts // ep_size, (ep_rank + 1) * n_experts // ep_size)``.
         fp8_dispatch: tokens travel in FP8 e4m3 (1x128 scales) and are dequantized on arrival; the
-            backward of dispatch (a combine of gradients) and the combine travel in BF16.
+            backward of dispatch (a combine of gradients) travels in the tokens' dtype.
         expert_alignment: pad each expert's token group to this many rows for the grouped GEMM.
         combine_dtype: dtype of the expert outputs on the wire in combine (BF16 as in DeepSeek-V3); None
             keeps the activations' dtype.

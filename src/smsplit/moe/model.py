@@ -211,6 +211,11 @@ def build_stages(cfg: ModelConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: 
                  seed: int = 0) -> tuple[Stage, Stage]:
     """DualPipeV's two modules of pipeline rank ``pp_rank``: stage ``pp_rank`` and stage
     ``2 * pp_size - 1 - pp_rank`` of ``2 * pp_size`` stages of ``cfg.n_layers`` layers."""
+    for name, value in (("pp_size", pp_size), ("pp_rank", pp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "pp_size" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'pp_size' else 0}, got {value!r}")
+    if pp_rank >= pp_size:
+        raise ValueError(f"pp_rank must lie in [0, pp_size={pp_size}), got {pp_rank}")
     n_stages = 2 * pp_size
     if cfg.n_layers % n_stages:
         raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp_size = {n_stages} stages")

@@ -70,7 +70,7 @@ class Router(nn.Module):
         n_groups: expert groups (nodes); ``n_experts`` must divide by it.
         topk_groups: groups a token may use; ``topk_groups * n_experts / n_groups >= topk``.
         route_scale: factor on the normalised weights.
-        bias_update_speed: the step of the balancing bias (gamma in the paper).
+        bias_update_speed: the step of the balancing bias (gamma in the paper; 0 freezes it).
 
     ``forward(x)`` returns ``(topk_weights [tokens, topk] float32, topk_idx [tokens, topk] int64)`` and,
     in training mode, adds the number of tokens each expert received to ``self.load``.
@@ -81,16 +81,29 @@ class Router(nn.Module):
         super().__init__()
         _check_int("dim", dim, 1)
         _check_groups(n_experts, topk, n_groups, topk_groups)
-        for name, value in (("route_scale", route_scale), ("bias_update_speed", bias_update_speed)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        # (bias_update_speed 0 is allowed: DeepSeek-V3 freezes the bias for its last 500B tokens)
+        for name, value, zero_ok in (("route_scale", route_scale, False), ("bias_update_speed", bias_update_speed, True)):
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+                    or (value == 0 and not zero_ok)):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
         self.dim, self.n_experts, self.topk = dim, n_experts, topk
         self.n_groups, self.topk_groups = n_groups, topk_groups
         self.route_scale, self.bias_update_speed = route_scale, bias_update_speed
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         nn.init.normal_(self.weight, std=dim ** -0.5)
+        # (fp32 whatever the module is cast to: see `_apply`)
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
         self.register_buffer("load", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the balancing state; a cast (``.to(torch.bfloat16)``, ``.half()``) leaves it
+        in fp32: in bf16 the token count would stop at 256 and bias steps of 1e-3 would round away."""
+        super()._apply(fn, recurse)
+        for name in ("bias", "load"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))

@@ -359,7 +359,12 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
                 # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they
                 # do not move (fp32 gradients) take the reference transport inside the same Buffer
                 ep_backend="nvlink" if device == "cuda" else "reference")
-    ModelConfig(**opts["model"])  # reject bad overrides before spawning
+    cfg = ModelConfig(**opts["model"])  # reject bad overrides, and a model this layout cannot build, before spawning
+    if cfg.n_experts % (world_size // pp):
+        raise ValueError(f"n_experts={cfg.n_experts} must divide evenly over the {world_size // pp} EP ranks "
+                         f"(world_size={world_size} / pp={pp})")
+    if cfg.n_layers % (2 * pp):
+        raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp = {2 * pp} stages (DualPipeV)")
     if device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
