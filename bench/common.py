@@ -49,23 +49,30 @@ def environment() -> dict:
     return env
 
 
-def time_ms(fn, stream=None, warmup: int = 3, repeat: int = 10, inner: int = 1) -> dict:
+def time_ms(fn, stream=None, warmup: int = 3, repeat: int = 10, inner: int = 1, gate_ms: float = 0.0) -> dict:
     """Median (and min/max) milliseconds of ``fn`` on ``stream`` with CUDA events, after warm-up.
-    ``inner`` calls are timed together and divided."""
+    ``inner`` calls are timed together and divided. ``gate_ms`` > 0 holds the stream in a sleep kernel of at least
+    that long before each timed run, so that its calls are all queued before the first starts (the GPU's time
+    of a host-bound ``fn``, not the host's); ``queued_before_start`` says whether every run's sleep outlasted it."""
     stream = stream or torch.cuda.current_stream()
+    queued = True
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
         times = []
         for _ in range(repeat):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if gate_ms > 0:
+                torch.cuda._sleep(int(gate_ms * 2e6))  # cycles: at most 2 GHz on Hopper, so at least gate_ms
             start.record(stream)
             for _ in range(inner):
                 fn()
             end.record(stream)
+            queued = queued and not (gate_ms > 0 and start.query())
             end.synchronize()
             times.append(start.elapsed_time(end) / inner)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": repeat}
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": repeat,
+            "queued_before_start": queued}
 
 
 def call_times_ms(fn, warmup: int = 3, repeat: int = 10, inner: int = 1, before=None, cuda: bool | None = None) -> list[float]:
@@ -286,7 +293,7 @@ def concurrent_run(budget, gemm, copy, n_gemm, n_copy, sleep_ms: float = 25.0):
 
 
 def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int, copy_factor: float = 1.4,
-                       agree=None, copy_host_ms: float = 0.0):
+                       agree=None, copy_host_ms: float = 0.0, copy_inner: int = 1):
     """``rounds`` short rounds on ``budget``, each measuring the GEMM alone (compute stream), the
     copy alone (comm stream) and one concurrent run of both (``concurrent_run``) back to back; odd
     rounds run the three in reverse order, so a drift inside a round biases no side. A round's
@@ -297,7 +304,10 @@ def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int
     ``None`` when no copy ran entirely inside the GEMMs) and the concurrent run's windows. Across ranks
     whose copies wait for each other, ``agree(n)`` makes every rank's copy count the same (say, the max
     over ranks); ``copy_host_ms`` (host time to queue one copy call) lengthens the gate's sleep so that
-    every call is queued before the two loops start."""
+    every call is queued before the two loops start. ``copy_inner`` > 1 times the copy alone as that many calls
+    queued back to back between two events, divided; with ``copy_host_ms`` > 0 they are queued behind a sleep kernel
+    first (``time_ms``'s gate), as the concurrent run queues them: for a copy whose host time per call is near or
+    above its GPU time, calls timed as the host issues them would time the host too."""
     out, alone = [], {}
     for r in range(rounds):
         order = ["gemm_alone", "copy_alone", "concurrent"]
@@ -309,8 +319,11 @@ def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int
                 alone["gemm"] = time_ms(gemm, stream=budget.compute_stream, warmup=2, repeat=repeat)["median_ms"]
                 got["gemm_alone_ms"] = alone["gemm"]
             elif step == "copy_alone":
-                alone["copy"] = time_ms(copy, stream=budget.comm_stream, warmup=2, repeat=repeat)["median_ms"]
-                got["copy_alone_ms"] = alone["copy"]
+                gate_ms = 1.5 * copy_inner * copy_host_ms + 1.0 if copy_host_ms > 0 else 0.0
+                timed = time_ms(copy, stream=budget.comm_stream, warmup=2, repeat=repeat, inner=copy_inner,
+                                gate_ms=gate_ms)
+                alone["copy"] = got["copy_alone_ms"] = timed["median_ms"]
+                got["copy_alone_queued_before_start"] = timed["queued_before_start"]
             else:
                 n_copy = max(4, int(copy_factor * n_gemm * alone["gemm"] / alone["copy"]))
                 n_copy = agree(n_copy) if agree is not None else n_copy

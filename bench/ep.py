@@ -26,6 +26,7 @@ Writes bench/results/ep.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -40,23 +41,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_shape_arguments, capture_graph, end_worker, environment, interleaved_rounds,  # noqa: E402
                     join_nccl, max_over_ranks, routed_tokens, run_ranks, time_ms, write_result)
 from start_together import StartTogether  # noqa: E402
+from tables import add_ep_rates  # noqa: E402
 
 
 QUEUED = 5
+_ROUNDTRIPS = itertools.count(1)  # seeds of _roundtrip_equal's tokens
 
 
 def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) -> dict:
-    """Poison the receive and combine areas, dispatch x and combine the received rows unchanged: each token must
+    """Poison the receive and combine areas, dispatch tokens and combine the received rows unchanged: each token must
     come back times the number of ranks it went to, exactly (BF16; FP8, quantized in the dispatch or before it
     (``fp8_input``): its e4m3 rows dequantized to BF16, per ``smsplit.fp8.quantize_1x128``). Checks placement and
-    return for any order of the received rows."""
+    return for any order of the received rows. Each case draws fresh random tokens of ``x``'s shape (same routing):
+    the combine's output is a new tensor that cannot be poisoned, and memory freed by an earlier case (its expected
+    result) must not hold this case's expected result."""
     from smsplit.fp8 import quantize_1x128
 
     times = in_rank.sum(1, keepdim=True).float()
-    q, s = quantize_1x128(x)
-    deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
+    g = torch.Generator(device=x.device)
+    g.manual_seed(1_000_003 * next(_ROUNDTRIPS) + dist.get_rank())  # different on every rank and every call
     result = {}
-    for name, quantize, source in (("bf16", False, x), ("fp8", True, deq), ("fp8_input", False, deq)):
+    for name, quantize in (("bf16", False), ("fp8", True), ("fp8_input", False)):
+        x = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+        q, s = quantize_1x128(x)
+        deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
+        source = x if name == "bf16" else deq
         tr.buffer[tr.offsets["x"]:].fill_(0x7F)
         torch.cuda.synchronize()
         dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
@@ -355,10 +364,11 @@ def worker(rank, world, port, args, queue):
                     torch.cuda.synchronize()
             rounds = interleaved_rounds(budget, lambda: torch.matmul(a, b), comm, args.concurrent_rounds, repeat=10,
                                         n_gemm=10, agree=lambda k: int(max_over_ranks(k, dev)),
-                                        copy_host_ms=max_over_ranks(max(host_ms), dev))
+                                        copy_host_ms=max_over_ranks(max(host_ms), dev), copy_inner=QUEUED)
             torch.cuda.synchronize()
             tr.raise_if_failed()
             slowdowns = [1 / r["gemm_kept"] - 1 for r in rounds if r["gemm_kept"]]
+            comm_slowdowns = [1 / r["copy_kept"] - 1 for r in rounds if r["copy_kept"]]
             g_in = [t for r in rounds for t in r["_samples"][0]]
             c_in = [t for r in rounds for t in r["_samples"][1]]
             entry = {"transport": name, "asked": asked, "comm_sms": budget.comm_sms, "compute_sms": budget.compute_sms,
@@ -368,9 +378,13 @@ def worker(rank, world, port, args, queue):
                      "gemm_slowdown": statistics.median(slowdowns) if slowdowns else None,
                      "gemm_slowdown_rounds": slowdowns,
                      "comm_alone_ms": statistics.median(r["copy_alone_ms"] for r in rounds),
+                     "comm_alone_queued": QUEUED,  # calls queued behind a sleep kernel per timing, as beside the GEMM
                      "comm_concurrent_ms": statistics.median(c_in) if c_in else None,
+                     "comm_slowdown": statistics.median(comm_slowdowns) if comm_slowdowns else None,
+                     "comm_slowdown_rounds": comm_slowdowns,
                      "comm_host_ms": max(host_ms),
-                     "all_queued_before_start": all(r["window"]["queued_before_start"] for r in rounds),
+                     "all_queued_before_start": all(r["window"]["queued_before_start"] and r["copy_alone_queued_before_start"]
+                                                    for r in rounds),
                      "samples": [len(g_in), len(c_in)],
                      "rounds": [{k: v for k, v in r.items() if k != "_samples"} for r in rounds]}
             if args.soak_gemms:
@@ -382,7 +396,9 @@ def worker(rank, world, port, args, queue):
                       f"{gemm_full:.3f} ms, on budget {entry['gemm_alone_on_budget_ms']:.3f} ms, with comm "
                       f"{entry['gemm_concurrent_ms']:.3f} ms; slowdown median {entry['gemm_slowdown'] * 100:+.1f}% "
                       f"(rounds {', '.join(f'{x * 100:+.1f}' for x in slowdowns)}); fp8 dispatch+combine alone "
-                      f"{entry['comm_alone_ms'] * 1e3:.1f} us, with GEMM {entry['comm_concurrent_ms'] * 1e3:.1f} us; "
+                      f"{entry['comm_alone_ms'] * 1e3:.1f} us ({QUEUED} queued), with GEMM "
+                      f"{entry['comm_concurrent_ms'] * 1e3:.1f} us, slowdown median "
+                      f"{(entry['comm_slowdown'] or float('nan')) * 100:+.1f}%; "
                       f"all queued before start: {entry['all_queued_before_start']}", flush=True)
                 if "soak" in entry:
                     k = entry["soak"]
@@ -461,6 +477,35 @@ def soak(budget, gemm, comm, n: int, entry: dict, dev, check, capture: bool) -> 
     return out
 
 
+NOTES = ("times (rows, graph_rows, the NCCL and copy-engine baselines, sm_copy_over_nvlink) are the max over ranks "
+         "of per-rank medians (CUDA events; aligned: the GPU clock); the concurrent entries (GEMM and comm times, "
+         "slowdowns) are rank 0's, their soak GEMM times the max over ranks; host times are rank 0's. Byte counts "
+         "are rank 0's (num_recv, recv_from_peers, sent_to_peers). DeepEP-convention GB/s = bytes of recv_x, every "
+         "received row, the rank's own included (BF16: 2 bytes a value; FP8: (1+4/128)/2 of that, e4m3 and one "
+         "fp32 scale per 128) / time, a combine counting its dispatch's; NVLink GB/s = bytes of the rows that cross "
+         "NVLink (a dispatch's received from other ranks, FP8 with its scales; a combine's sent back to them) / time; "
+         "metadata counted in neither (bench/tables.py add_ep_rates)")
+
+
+def check_arguments(parser, args, gpus: int) -> None:
+    """Exit through ``parser.error`` on arguments the run cannot use, before any process starts: ``gpus`` is the
+    number of GPUs this machine has."""
+    if args.world < 2 or args.world > gpus:
+        parser.error(f"--world {args.world}: bench/ep.py runs on 2 or more GPUs of one node, at most the {gpus} "
+                     f"GPU(s) this machine has")
+    if min(args.tokens, args.hidden, args.experts, args.topk) < 1 or args.hidden % 128:
+        parser.error("--tokens, --hidden, --experts, --topk must be positive, --hidden a multiple of 128 "
+                     "(one FP8 scale per 128 values)")
+    if args.experts % args.world or args.topk > args.experts:
+        parser.error(f"--experts {args.experts} must split evenly over {args.world} ranks and be at least --topk")
+    if min(args.comm_sms) < 1 or min(args.concurrent_sms, default=1) < 1:
+        parser.error("--comm-sms and --concurrent-sms must be at least 1")
+    if args.reps < 1 or args.concurrent_rounds < 1:
+        parser.error("--reps and --concurrent-rounds must be at least 1")
+    if 0 < args.soak_gemms < 8 or args.soak_gemms < 0:
+        parser.error("--soak-gemms: 0 (no soak) or at least 8 (the middle half is timed)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
@@ -505,23 +550,10 @@ def main():
                         help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    if 0 < args.soak_gemms < 8:
-        parser.error("--soak-gemms: 0 (no soak) or at least 8 (the middle half is timed)")
+    check_arguments(parser, args, torch.cuda.device_count())
     res = run_ranks(worker, args.world, args)
-    H = args.hidden
-    for row in res["rows"]:
-        recv_bf16 = res["recv_bytes_bf16_deepep"]
-        nvl_bf16 = res["recv_from_peers"] * H * 2
-        row["dispatch_bf16_deepep_gbps"] = recv_bf16 / row["dispatch_bf16_cached_ms"] / 1e6
-        row["dispatch_bf16_nvlink_gbps"] = nvl_bf16 / row["dispatch_bf16_cached_ms"] / 1e6
-        row["dispatch_fp8_deepep_gbps"] = recv_bf16 * (1 + 4 / 128) / 2 / row["dispatch_fp8_cached_ms"] / 1e6
-        row["combine_deepep_gbps"] = recv_bf16 / row["combine_ms"] / 1e6
-    res["nccl_all_to_all_gbps_recv"] = res["recv_bytes_bf16_deepep"] / res["nccl_all_to_all_ms"] / 1e6
-    res["copy_engine_gbps"] = res["copy_engine_bytes"] / res["copy_engine_ms"] / 1e6
-    result = {"env": environment(), "shape": vars(args), **res,
-              "notes": "times are the max over ranks of per-rank medians (CUDA events); DeepEP-convention GB/s = "
-                       "bytes of recv_x (bf16; fp8 counts (1+4/128)/2 of them) / time; NVLink GB/s = bytes of rows "
-                       "received from other ranks / time"}
+    result = add_ep_rates({"env": environment(), "shape": vars(args), **res,
+                           "notes": NOTES})
     path = write_result("ep", result)
     print(f"wrote {path}")
 

@@ -142,7 +142,131 @@ def ep():
                  f"both; odd rounds reversed): {c['gemm_slowdown'] * 100:+.1f}% (rounds "
                  + ", ".join(f"{x * 100:+.1f}" for x in c["gemm_slowdown_rounds"]) + "%); every call queued before "
                  f"the loops started: {'yes' if c['all_queued_before_start'] else 'NO (host-bound gaps possible)'}."
-                 if "rounds" in c else ""))
+                 if "rounds" in c else "")
+              + (f" Dispatch + combine alone timed {c['comm_alone_queued']} calls queued behind a sleep kernel, as "
+                 f"beside the GEMM; its slowdown beside the GEMM, median of the rounds: {c['comm_slowdown'] * 100:+.1f}% (rounds "
+                 + ", ".join(f"{x * 100:+.1f}" for x in c["comm_slowdown_rounds"]) + "%)."
+                 if c.get("comm_slowdown") is not None else ""))
+
+
+# bench/ep.py's operations and the bytes each moves, per rank (counts of the rank that reports, rank 0):
+# DeepEP's convention counts recv_x, every received row (the rank's own included), BF16 2 bytes a value, FP8
+# (1 + 4/128) / 2 of that (e4m3 values and one fp32 scale per 128); a combine counts the dispatch's received bytes.
+# The NVLink bytes are those of the rows that cross NVLink: a dispatch's rows received from other ranks (FP8: e4m3
+# values and their scales), a combine's rows sent back to them (BF16). Metadata (top-k ids, weights, source
+# indices, counts) is counted in neither.
+EP_OPS = {"dispatch_bf16": "bf16", "dispatch_fp8": "fp8", "dispatch_fp8_input": "fp8", "combine": "bf16",
+          "combine_weighted": "bf16"}
+EP_WAYS = {"": ("nccl_all_to_all_ms", "copy_engine_ms"),  # eager rows, and graph rows' one call
+           "_queued": ("nccl_all_to_all_queued_ms", "copy_engine_queued_ms"),
+           "_aligned": ("nccl_all_to_all_aligned_ms", "copy_engine_aligned_ms")}
+
+
+def ep_bytes(d) -> dict:
+    """Bytes of each operation of bench/ep.py per rank: ``{op: {"deepep": ..., "nvlink": ...}}`` from the result's
+    ``num_recv`` (rows of recv_x) and ``recv_from_peers`` (rows that crossed NVLink) and the hidden size."""
+    H = d["shape"]["hidden"]
+    width = {"bf16": 2 * H, "fp8": H + H // 128 * 4}  # bytes per row: BF16; e4m3 and one fp32 scale per 128
+    return {op: {"deepep": d["num_recv"] * width[kind], "nvlink": d["recv_from_peers"] * width[kind]}
+            for op, kind in EP_OPS.items()}
+
+
+def _gbps(nbytes, ms):
+    return nbytes / ms / 1e6 if ms and ms == ms else None  # (None for a missing or NaN time)
+
+
+def _ratio(a, b):
+    return a / b if a and b and a == a and b == b else None
+
+
+def add_ep_rates(d) -> dict:
+    """Add to an ep.json result (in place; returned) every time's GB/s, DeepEP convention and NVLink, and its
+    ratios to the baselines of the same run timed the same way (one call, 5 queued, started together):
+    ``<time>_deepep_gbps``, ``<time>_nvlink_gbps``, ``<time>_of_ceiling`` (NVLink GB/s over the copy-engine peer
+    copy's GB/s) and, where NCCL's all_to_all_single moved the same bytes (BF16 dispatch and combine),
+    ``<time>_vs_nccl`` (NCCL's time over this one: above 1 is faster than NCCL). ``<time>`` is the time's key
+    without ``_ms`` (eager rows: ``dispatch_bf16_cached`` etc.; graph rows: ``dispatch_bf16_graph_queued`` etc.);
+    also ``dispatch_bf16_deepep_gbps`` etc. (eager, cached dispatch), as bench/ep.py has always written them."""
+    nbytes = ep_bytes(d)
+    d["bytes_per_rank"] = nbytes
+    d["nccl_all_to_all_gbps_recv"] = _gbps(d["num_recv"] * 2 * d["shape"]["hidden"], d["nccl_all_to_all_ms"])
+    d["copy_engine_gbps"] = _gbps(d["copy_engine_bytes"], d["copy_engine_ms"])
+    ceiling = {way: _gbps(d["copy_engine_bytes"], d.get(ce)) for way, (_, ce) in EP_WAYS.items()}
+
+    def rates(row, op, key, way):
+        ms = row.get(key + "_ms")
+        if ms is None:
+            return
+        nccl = d.get(EP_WAYS[way][0])
+        row[key + "_deepep_gbps"] = _gbps(nbytes[op]["deepep"], ms)
+        row[key + "_nvlink_gbps"] = _gbps(nbytes[op]["nvlink"], ms)
+        row[key + "_of_ceiling"] = _ratio(row[key + "_nvlink_gbps"], ceiling[way])
+        if op in ("dispatch_bf16", "combine"):  # NCCL moved these bytes (its recv buffer: recv_x's BF16 rows)
+            row[key + "_vs_nccl"] = _ratio(nccl, ms)
+
+    for row in d["rows"]:
+        for op in EP_OPS:
+            rates(row, op, op + ("" if op.startswith("combine") else "_cached"), "")
+        if "dispatch_bf16_ms" in row:  # uncached
+            rates(row, "dispatch_bf16", "dispatch_bf16", "")
+        for op in ("dispatch_bf16", "dispatch_fp8", "combine"):  # the names tables.py and BENCHMARKS.md use
+            key = op + ("" if op == "combine" else "_cached")
+            row[op + "_deepep_gbps"] = row[key + "_deepep_gbps"]
+            row[op + "_nvlink_gbps"] = row[key + "_nvlink_gbps"]
+    for row in d.get("graph_rows", []):
+        for op in EP_OPS:
+            for way in EP_WAYS:
+                rates(row, op, f"{op}_graph{way}", way)
+    return d
+
+
+def ep_rates(name="ep"):
+    """GB/s of every time of bench/results/<name>.json (`add_ep_rates`): DeepEP convention, NVLink, the share of the
+    copy-engine ceiling and, for BF16 dispatch and combine, NCCL's time over ours, each against the baselines
+    timed the same way in the same run."""
+    d = add_ep_rates(json.loads((RESULTS / f"{name}.json").read_text()))
+    b = d["bytes_per_rank"]
+    print(f"Bytes per rank (rank 0: {d['num_recv']} rows received, {d['recv_from_peers']} of them over NVLink): "
+          + "; ".join(f"{op} {b[op]['deepep'] / 1e6:.1f} MB DeepEP convention, {b[op]['nvlink'] / 1e6:.1f} MB over "
+                      f"NVLink" for op in ("dispatch_bf16", "dispatch_fp8", "combine"))
+          + ". Baselines, one call / 5 queued / started together: NCCL all_to_all_single "
+          + " / ".join(f"{d[n] * 1e3:.0f}" if d.get(n) == d.get(n) and d.get(n) else "n/a"
+                       for n, _ in EP_WAYS.values())
+          + " us, copy-engine peer copy of the NVLink bytes "
+          + " / ".join(f"{_gbps(d['copy_engine_bytes'], d[c]):.0f}" if d.get(c) else "n/a" for _, c in EP_WAYS.values())
+          + " GB/s (the ceiling).\n")
+    print("Each cell: us / DeepEP GB/s / NVLink GB/s / NVLink GB/s over the ceiling's; BF16 dispatch and combine also "
+          "NCCL's time over this one (x NCCL: above 1 is faster than NCCL). Times are bench/ep.py's (the slower "
+          "rank's median); bytes are rank 0's.\n")
+    print("| transport | copy share | comm SMs | timed | dispatch BF16 | x NCCL | dispatch FP8 (quantized in it) | "
+          "dispatch FP8 input | combine | x NCCL |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def cell(row, key):
+        if row.get(key + "_ms") is None:
+            return ""
+        ceiling = row.get(key + "_of_ceiling")
+        return (f"{row[key + '_ms'] * 1e3:.0f} / {row[key + '_deepep_gbps']:.0f} / {row[key + '_nvlink_gbps']:.0f} / "
+                + (f"{ceiling:.2f}" if ceiling else "n/a"))
+
+    def nccl(row, key):
+        r = row.get(key + "_vs_nccl")
+        return f"{r:.2f}" if r else ""
+
+    for row in d["rows"]:
+        print(f"| {row['transport']} |  | {row['comm_sms']} | eager, cached | {cell(row, 'dispatch_bf16_cached')} | "
+              f"{nccl(row, 'dispatch_bf16_cached')} | {cell(row, 'dispatch_fp8_cached')} | "
+              f"{cell(row, 'dispatch_fp8_input_cached')} | {cell(row, 'combine')} | {nccl(row, 'combine')} |")
+    for row in d.get("graph_rows", []):
+        share = "" if row.get("copy_share") is None else f"{row['copy_share']:g}"
+        for way, label in (("", "replayed, one call"), ("_queued", "replayed, 5 queued"),
+                           ("_aligned", "replayed, started together")):
+            if f"dispatch_bf16_graph{way}_ms" not in row:
+                continue
+            k = {op: f"{op}_graph{way}" for op in EP_OPS}
+            print(f"| {row['transport']} | {share} | {row['comm_sms']} | {label} | {cell(row, k['dispatch_bf16'])} | "
+                  f"{nccl(row, k['dispatch_bf16'])} | {cell(row, k['dispatch_fp8'])} | "
+                  f"{cell(row, k['dispatch_fp8_input'])} | {cell(row, k['combine'])} | {nccl(row, k['combine'])} |")
 
 
 def ep_figure(name="ep"):
@@ -220,4 +344,4 @@ def ep_buffer(*names):
 
 
 if __name__ == "__main__":
-    {"sm_split": sm_split, "ep": ep, "ep-figure": ep_figure, "ep-buffer": ep_buffer}[sys.argv[1]](*sys.argv[2:])
+    {"sm_split": sm_split, "ep": ep, "ep-rates": ep_rates, "ep-figure": ep_figure, "ep-buffer": ep_buffer}[sys.argv[1]](*sys.argv[2:])

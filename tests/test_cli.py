@@ -59,3 +59,30 @@ def test_trace_explains_the_split_it_was_asked_for(tmp_path, capsys):
     assert main(["trace", "--out", str(tmp_path), "--comm-sms", "33"]) == 0
     out = capsys.readouterr().out
     assert "SmBudget(comm_sms=33)" in out and "40 SMs for communication and 92 for compute" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--seed", str(2**60)], "seed must be an int in \\[0, 2\\*\\*32\\)"),
+    (["demo", "--seed", "-1"], "seed must be an int in \\[0, 2\\*\\*32\\)"),
+    (["demo", "--out", "{file}"], "cannot make the report folder"),
+    (["trace", "--out", "{file}/trace"], "cannot make the report folder")])
+def test_demo_and_trace_input_errors_are_usage_errors_before_any_process_starts(argv, message, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import re
+
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned processes"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main([a.format(file=tmp_path / "file") for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(f"smsplit {argv[0]}: error: .*{message}", err), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="needs fewer than 2 GPUs")
+def test_demo_on_cuda_without_two_gpus_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--device", "cuda", "--out", str(tmp_path / "report")])
+    assert e.value.code == 2 and "needs 2 CUDA GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()

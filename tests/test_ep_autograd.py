@@ -49,9 +49,12 @@ def dense_grads(coef, x, topk, w, bias, grad_out, grad_out_w, x_forward=None):
 
 
 def case_gradients(rank, world_size, seed, num_tokens, hidden, num_experts, num_topk, dtype_name, grad_of, mode,
-                   num_worst_tokens):
+                   num_worst_tokens, sized_buffer=False):
+    """`sized_buffer`: a buffer of exactly `get_buffer_size_hint` for this call (FP8 on the wire with `fp8=True`)."""
     dtype = getattr(torch, dtype_name)
-    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    num_nvl_bytes = Buffer.get_buffer_size_hint(max(num_tokens), hidden, world_size, num_topk, dtype,
+                                                fp8=mode.startswith("fp8"), combine_dtype=dtype) if sized_buffer else 0
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, timeout_s=10)
     coef, ranks = make_problem(seed, world_size, num_tokens, hidden, num_experts, num_topk, dtype)
     x, topk, w, bias, grad_out, grad_out_w = ranks[rank]
     x_leaf = x.clone().requires_grad_("x" in grad_of)
@@ -108,3 +111,70 @@ def test_gradients_match_dense_model(case):
     world_size, *params = case
     losses = gloo_pool(world_size).run(case_gradients, 500 + GRAD_CASES.index(case), *params)
     assert all(math.isfinite(loss) for loss in losses)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradients_of_an_fp8_dispatch_fit_a_buffer_sized_for_it(world_size):
+    """DeepSeek-V3's layout: FP8 dispatch, BF16 combine with top-k weights, through a buffer sized by
+    `get_buffer_size_hint(..., fp8=True)`. The combine and its backward (a dispatch of BF16 gradients and weights)
+    move combine rows; they were checked as BF16 dispatch rows with top-k ids, which that buffer does not hold."""
+    num_tokens = [5, 3, 4, 2][:world_size]
+    losses = gloo_pool(world_size).run(case_gradients, 600 + world_size, num_tokens, 256, 4 * world_size, 8,
+                                       "bfloat16", ("x", "w"), "fp8_dequantize", 0, True)
+    assert all(math.isfinite(loss) for loss in losses)
+
+
+def case_second_derivative(rank, world_size, through):
+    """A gradient penalty through dispatch and combine. Their backward passes communicate outside autograd, so the
+    first gradient is a constant to it: the penalty's term must raise, not silently add nothing."""
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 128, generator=g, requires_grad=True)
+    topk = torch.rand(4, 4 * world_size, generator=g).argsort(dim=1)[:, :2]
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(
+        topk, 4 * world_size)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=num_tokens_per_rank,
+                                                 is_token_in_rank=is_token_in_rank,
+                                                 num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk)
+    if through == "dispatch":  # d/dx of combine(recv_x ** 2) = combine(2 * recv_x * dispatch(1)): x's again
+        combined, _, _ = buffer.combine(recv_x ** 2, handle)
+        inner = x
+    else:  # d/dy of combine(y) ** 2 = dispatch(2 * combined): y's again
+        y = recv_x.detach().requires_grad_()
+        combined, _, _ = buffer.combine(y, handle)
+        combined = combined ** 2
+        inner = y
+    (grad,) = torch.autograd.grad(combined.sum(), inner, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ((grad ** 2).sum() + inner.sum()).backward()
+    return True
+
+
+@pytest.mark.parametrize("through", ["dispatch", "combine"])
+def test_second_derivatives_raise(through):
+    assert gloo_pool(2).run(case_second_derivative, through) == [True, True]
+
+
+def case_topk_idx_rewritten_in_place(rank, world_size):
+    """The weights' backward masks what the dispatch zeroed, whatever the caller does to `recv_topk_idx` after it
+    (here: -1 entries rewritten to expert 0, as code that gathers with the ids might); it read the ids at backward,
+    so each weight got the gradient of every rank it reached."""
+    num_experts = 4 * world_size
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    g = torch.Generator().manual_seed(rank)
+    topk = torch.rand(6, num_experts, generator=g).argsort(dim=1)[:, :3]
+    topk[torch.rand(6, 3, generator=g) < 0.3] = -1
+    w = torch.rand(6, 3, generator=g, requires_grad=True)
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+    _, recv_topk_idx, recv_w, _, _, _ = buffer.dispatch(
+        torch.randn(6, 128, generator=g), num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk, topk_weights=w)
+    recv_topk_idx.clamp_(min=0)
+    (recv_w * 3).sum().backward()
+    assert torch.equal(w.grad, torch.where(topk >= 0, 3.0, 0.0)), (w.grad, topk)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_weight_gradients_do_not_read_recv_topk_idx_at_backward(world_size):
+    assert gloo_pool(world_size).run(case_topk_idx_rewritten_in_place) == [True] * world_size

@@ -278,6 +278,29 @@ def case_rows_placed_by_a_device_transport(rank, world_size, seed):
                        buffer._dispatch(None, handle=handle, **fields)[2][q])
     return n
 
+
+def case_zero_hidden(rank, world_size):
+    """x with hidden 0 on every rank: a ValueError naming x on every rank (it failed as a RuntimeError or an
+    AttributeError in the transport's unpacking, after the tokens moved), and the buffer stays usable."""
+    from smsplit.ep import EPArgumentError
+
+    buffer = Buffer(dist.group.WORLD, timeout_s=10)
+    inputs = make_inputs(rank, world_size, [4] * world_size, 256, 4 * world_size, 2)
+    x, topk, w = inputs[rank]
+    layout = layout_args(buffer, topk, 4 * world_size)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, **layout)
+    calls = [lambda: buffer.dispatch(x[:, :0], topk_idx=topk, topk_weights=w, **layout),
+             lambda: buffer.dispatch(x[:, :0], handle=handle),
+             lambda: buffer.combine(recv_x[:, :0], handle)]
+    for call in calls:
+        with pytest.raises(EPArgumentError) as error:
+            call()
+        assert error.value.argument == "x", str(error.value)
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert combined.shape == x.shape
+    return True
+
+
 # -- tests -----------------------------------------------------------------------------------------------------
 
 
@@ -388,3 +411,7 @@ def test_combine_sums_in_fp32_and_rounds_once():
     combined = gloo_pool(3).run(case_combine_rounds_once)
     assert torch.equal(combined[0], torch.full((3, 256), 1 + 2.0 ** -7, dtype=torch.bfloat16))
     assert combined[1].shape == (2, 256) and not combined[1].any()  # tokens sent nowhere combine to 0
+
+
+def test_zero_hidden_size_is_an_argument_error_on_every_rank():
+    assert gloo_pool(2).run(case_zero_hidden) == [True, True]

@@ -65,3 +65,31 @@ def test_bad_timeouts_are_refused_before_any_process_starts(tmp_path):
     for bad in (0, -1, float("inf"), float("nan"), 1e15, True, "60"):
         with pytest.raises(ValueError, match="timeout_s"):
             run_demo(str(tmp_path), steps=1, device="cpu", progress=False, timeout_s=bad)
+
+
+def test_a_comm_sm_count_no_gpu_can_grant_is_refused_before_spawning(tmp_path, monkeypatch):
+    """On GPUs the demo asks each for `SmBudget(comm_sms)` (grid mode where green contexts cannot grant it): a
+    count that leaves no compute SM even in grid mode fails here, not in the spawned processes."""
+    import types
+
+    import pytest
+    import torch
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned processes"))
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="comm_sms must be between 1 and 131"):
+        run_demo(str(tmp_path / "report"), steps=1, device="cuda", comm_sms=132, progress=False)
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_one_step_demo_times_its_ops(tmp_path):
+    """The first step is left out of the op times (one-time set-up), except when it is the only one: the pipeline
+    timeline is drawn from these times and says they were measured."""
+    summary = run_demo(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60)
+    ops = summary["op_seconds"]
+    assert ops.get("F", 0) > 0 and ops.get("FB", 0) > 0, ops

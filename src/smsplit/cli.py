@@ -28,7 +28,7 @@ def main(argv=None) -> int:
                         help="auto: cuda when 2 GPUs are present, else cpu")
     p_demo.add_argument("--comm-sms", type=positive_int, default=20,
                         help="SMs asked for communication on GPU (default 20)")
-    p_demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p_demo.add_argument("--seed", type=int, default=0, help="random seed in [0, 2**32) (default 0)")
     p_trace = sub.add_parser("trace", help="show the SM split: a comm kernel beside a GEMM, traced per SM (GPU)")
     p_trace.add_argument("--out", default="smsplit-report/trace", help="report folder (default: smsplit-report/trace)")
     p_trace.add_argument("--comm-sms", type=positive_int, default=20, help="SMs asked for communication (default 20)")
@@ -42,11 +42,18 @@ def main(argv=None) -> int:
     elif args.command == "demo":
         from smsplit.moe.train import run_demo
 
-        run_demo(out_dir=args.out, steps=args.steps, device=args.device, comm_sms=args.comm_sms, seed=args.seed)
+        try:  # run_demo checks its arguments before it starts any process
+            run_demo(out_dir=args.out, steps=args.steps, device=args.device, comm_sms=args.comm_sms,
+                     seed=args.seed)
+        except ValueError as e:
+            p_demo.error(str(e))
     elif args.command == "trace":
         from smsplit import demo
 
-        demo.run(out=args.out, comm_sms=args.comm_sms)
+        try:
+            demo.run(out=args.out, comm_sms=args.comm_sms)
+        except ValueError as e:
+            p_trace.error(str(e))
     return 0
 
 

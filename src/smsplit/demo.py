@@ -93,7 +93,10 @@ def run(out: str = "smsplit-report", comm_sms: int = 20) -> dict:
         plan_split(comm_sms, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
     console = Console()
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise ValueError(f"out: cannot make the report folder {out!r}: {e}") from e
     machine = info.collect()
     console.print(info.render(machine))
     if not torch.cuda.is_available():

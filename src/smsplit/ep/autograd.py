@@ -12,6 +12,7 @@ Backward passes communicate, so every rank must run them, in the same order as t
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class _Dispatch(torch.autograd.Function):
@@ -20,7 +21,9 @@ class _Dispatch(torch.autograd.Function):
         result = buffer._dispatch(x, topk_weights=topk_weights, **fields)
         box["result"] = result
         recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = result
-        ctx.buffer, ctx.handle, ctx.recv_topk_idx = buffer, handle, recv_topk_idx
+        ctx.buffer, ctx.handle = buffer, handle
+        # the mask, not recv_topk_idx itself: the caller may rewrite those ids in place before backward
+        ctx.dropped = recv_topk_idx < 0 if recv_topk_idx is not None and topk_weights is not None else None
         values = x[0] if isinstance(x, tuple) else x
         ctx.x_dtype, ctx.hidden = values.dtype, values.size(1)
         out_x = recv_x[0] if isinstance(recv_x, tuple) else recv_x
@@ -32,6 +35,7 @@ class _Dispatch(torch.autograd.Function):
         return out_x, recv_topk_weights
 
     @staticmethod
+    @once_differentiable  # the communication in backward is not recorded: a second derivative raises, not zero
     def backward(ctx, grad_recv_x, grad_recv_topk_weights):
         buffer, handle = ctx.buffer, ctx.handle
         need_x = ctx.needs_input_grad[3] and ctx.x_differentiable
@@ -41,10 +45,9 @@ class _Dispatch(torch.autograd.Function):
             grad_x_in = grad_recv_x if grad_recv_x is not None else torch.zeros(
                 handle.num_recv_rows, ctx.hidden, dtype=ctx.x_dtype, device=buffer.device)
         if need_w:
-            num_topk = ctx.recv_topk_idx.size(1)
             grad_w_in = grad_recv_topk_weights if grad_recv_topk_weights is not None else torch.zeros(
-                handle.num_recv_rows, num_topk, dtype=torch.float32, device=buffer.device)
-            grad_w_in = grad_w_in.float().masked_fill(ctx.recv_topk_idx < 0, 0.0)
+                ctx.dropped.shape, dtype=torch.float32, device=buffer.device)
+            grad_w_in = grad_w_in.float().masked_fill(ctx.dropped, 0.0)
         grad_x, grad_w, _ = buffer._combine(grad_x_in.contiguous() if grad_x_in is not None else None, handle,
                                             grad_w_in, None, None, False, internal=True)
         if grad_x is not None:
@@ -65,6 +68,7 @@ class _Combine(torch.autograd.Function):
         return combined_x, combined_topk_weights
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_combined_x, grad_combined_topk_weights):
         buffer, handle = ctx.buffer, ctx.handle
         need_x, need_w = ctx.needs_input_grad[4], ctx.needs_input_grad[5]

@@ -461,6 +461,13 @@ class Buffer:
         return buffer_bytes(num_max_tokens_per_rank, num_ranks, max(dispatch_bytes, combine_bytes),
                             HEADER_WORDS + num_ranks)
 
+    @staticmethod
+    def _combine_size(num_tokens: int, hidden: int, num_ranks: int, num_topk: int, dtype: torch.dtype) -> int:
+        """The reference formula's bytes for combining ``num_tokens`` tokens of ``dtype`` with ``num_topk`` weights:
+        its combine rows only (a buffer sized for an FP8 dispatch holds no BF16 dispatch rows)."""
+        return buffer_bytes(num_tokens, num_ranks, combine_row_bytes(hidden, dtype.itemsize, num_topk),
+                            HEADER_WORDS + num_ranks)
+
     # -- events ----------------------------------------------------------------------------------------------
 
     @staticmethod
@@ -538,7 +545,8 @@ class Buffer:
         Arguments:
             x: `[num_tokens, hidden]` with `torch.bfloat16` (or `torch.float16` / `torch.float32`), or a tuple
                 `(x_fp8, scales)`: `[num_tokens, hidden]` with `torch.float8_e4m3fn` and `[num_tokens, hidden // 128]`
-                with `torch.float32` (`hidden` a multiple of 128), as made by `smsplit.fp8.quantize_1x128`.
+                with `torch.float32` (`hidden` a multiple of 128), as made by `smsplit.fp8.quantize_1x128`; `hidden`
+                at least 1.
                 Any strides and offset: the device backends copy a view that is not contiguous or does not start on
                 a 16-byte boundary before their kernels read it.
             handle: a handle returned by an earlier `dispatch` of this buffer; selects the cached mode.
@@ -972,6 +980,8 @@ class Buffer:
             num_tokens, hidden = x.shape
             if fp8 and hidden % SCALE_BLOCK:
                 raise _reject("x", f"fp8=True needs a hidden size that is a multiple of {SCALE_BLOCK}, got {hidden}")
+        if values is not None and hidden < 1:
+            raise _reject("x", f"expected a hidden size >= 1, got shape {tuple(values.shape)}")
         if not isinstance(fp8, bool):
             raise _reject("fp8", f"expected a bool, got {fp8!r}")
         if not isinstance(dequantize, bool):
@@ -1034,10 +1044,13 @@ class Buffer:
                 raise _reject("topk_idx", f"the {name} backend moves up to {NVLINK_MAX_TOPK} top-k columns, got "
                                           f"{num_topk}")
         elif self.num_nvl_bytes > 0 and hidden > 0:
-            need = self._size_hint(num_tokens, hidden, num_ranks, num_topk,
-                                   values.dtype if scales is None and not fp8 else torch.bfloat16,
-                                   fp8 or scales is not None,
-                                   values.dtype if values.dtype in FLOAT_DTYPES else torch.bfloat16)
+            if internal and handle is not None:  # the backward of a combine: its rows, as that combine checked them
+                need = self._combine_size(num_tokens, hidden, num_ranks, num_topk, values.dtype)
+            else:
+                need = self._size_hint(num_tokens, hidden, num_ranks, num_topk,
+                                       values.dtype if scales is None and not fp8 else torch.bfloat16,
+                                       fp8 or scales is not None,
+                                       values.dtype if values.dtype in FLOAT_DTYPES else torch.bfloat16)
             if need > self.num_nvl_bytes:
                 raise _reject("num_nvl_bytes", f"{num_tokens} tokens of hidden {hidden} need {need} bytes "
                                                f"(get_buffer_size_hint) but the buffer has {self.num_nvl_bytes}")
@@ -1082,9 +1095,11 @@ class Buffer:
         else:
             _check_tensor("x", x, self.device, FLOAT_DTYPES, (rows, None))
             hidden = x.size(1)
+            if hidden < 1:
+                raise _reject("x", f"expected a hidden size >= 1, got shape {tuple(x.shape)}")
             if self.num_nvl_bytes > 0:
                 num_topk = topk_weights.size(1) if isinstance(topk_weights, torch.Tensor) else 0
-                need = self._size_hint(handle.num_tokens, hidden, self.group_size, num_topk, combine_dtype=x.dtype)
+                need = self._combine_size(handle.num_tokens, hidden, self.group_size, num_topk, x.dtype)
                 if need > self.num_nvl_bytes:
                     raise _reject("num_nvl_bytes", f"combining {handle.num_tokens} tokens of hidden {hidden} needs "
                                                    f"{need} bytes (get_buffer_size_hint) but the buffer has "

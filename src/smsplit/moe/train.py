@@ -139,7 +139,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         kind = "B" if op.kind == "B" and not op.split else op.kind
         if op.kind == "B" and op.split:
             kind = "Bi"
-        if timing["step"] > 0:  # the first step includes one-time set-up
+        if timing["step"] > 0 or opts["steps"] == 1:  # step 0 includes one-time set-up: kept only if alone
             op_times.setdefault(kind, []).append(time.perf_counter() - timing["t0"])
         if op.kind == "FB" and trace_state["want"]:
             trace_state["want"] = False
@@ -318,9 +318,10 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
     Args:
         out_dir: the report folder (loss curve, pipeline timeline, summary.json); made if missing.
         steps: training steps (>= 1).
-        seed: seed of the model's initialization and of the synthetic data.
+        seed: seed of the model's initialization and of the synthetic data, an int in [0, 2**32).
         lr: AdamW learning rate.
-        comm_sms: SMs asked for communication on each GPU (`SmBudget`); unused on CPU.
+        comm_sms: SMs asked for communication on each GPU (`SmBudget`: green contexts, else grid mode); fewer
+            than the GPU's SMs, checked before any process starts; unused on CPU.
         progress: show rank 0's progress bar (or its periodic lines when the output is not a terminal).
         device: "cpu" (``world_size`` gloo processes, reference EP transport), "cuda" (one process per GPU,
             NCCL, SM budget of ``comm_sms``) or "auto" (cuda when ``world_size`` GPUs are present).
@@ -335,6 +336,8 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
                         ("comm_sms", comm_sms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if problem := timeout_problem(timeout_s):
         raise ValueError(f"timeout_s: {problem}")
     if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
@@ -366,10 +369,17 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
     if cfg.n_layers % (2 * pp):
         raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp = {2 * pp} stages (DualPipeV)")
     if device == "cuda":
+        from smsplit.budget import plan_split
+
+        for gpu in range(world_size):  # what grid mode (the fallback from green contexts) cannot grant either
+            plan_split(comm_sms, torch.cuda.get_device_properties(gpu).multi_processor_count)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise ValueError(f"out_dir: cannot make the report folder {str(out_dir)!r}: {e}") from e
     summary_path = Path(out_dir) / "summary.json"
     summary_path.unlink(missing_ok=True)
     from smsplit.ep.testing import free_port
