@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -233,10 +234,23 @@ def run_ranks(worker, world: int, args):
     return queue.get(timeout=10)
 
 
+def _json_safe(value):
+    """``value`` with every NaN or infinite float (a time that was not measured) as None: strict JSON."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_result(name: str, payload: dict) -> Path:
+    """Write ``payload`` to bench/results/<name>.json (NaN and infinities as null) and return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1, default=float))
+    payload = _json_safe(json.loads(json.dumps(payload, default=float)))  # (tensors' and numpy's numbers as floats)
+    path.write_text(json.dumps(payload, indent=1, allow_nan=False))
     return path
 
 

@@ -20,7 +20,9 @@ profiled benchmark (`bench_kineto` with `barrier_comm_profiling`) aligns the ran
 before each profiled call; its tuning loop (`bench`) times calls queued back to back, the "5 queued" way).
 
 Run on 2 GPUs:  PYTHONPATH=src python3 bench/ep.py   (on N GPUs it uses all of them: --world N)
-Writes bench/results/ep.json.
+Writes bench/results/ep.json (``--name``: another file). Every transport's calls are checked: each row's tokens
+dispatched and combined back unchanged must return exactly (``roundtrip_equal``); the script exits non-zero when
+one does not, after writing its times.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import itertools
 import math
 import os
+import re
 import statistics
 import time
 import sys
@@ -66,7 +69,7 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
         q, s = quantize_1x128(x)
         deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
         source = x if name == "bf16" else deq
-        tr.buffer[tr.offsets["x"]:].fill_(0x7F)
+        tr.buffer[tr.offsets["x" if "x" in tr.offsets else "sx"]:].fill_(0x7F)  # (copy_engine: from its staging)
         torch.cuda.synchronize()
         dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
         # start at once: no count exchange orders them after the peer's work)
@@ -182,13 +185,15 @@ def worker(rank, world, port, args, queue):
         for key in list(row):
             if key.endswith("_ms"):
                 row[key] = max_over_ranks(row[key], dev)
+        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, lay)  # the calls timed above
+        row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         res["rows"].append(row)
         if rank == 0:
             print(f"{name:11s} P={P:2d}: dispatch bf16 {row['dispatch_bf16_cached_ms'] * 1e3:7.1f} us (uncached "
                   f"{row['dispatch_bf16_ms'] * 1e3:7.1f}), fp8 {row['dispatch_fp8_cached_ms'] * 1e3:7.1f} us (FP8 input "
                   f"{row['dispatch_fp8_input_cached_ms'] * 1e3:7.1f}), "
                   f"combine {row['combine_ms'] * 1e3:7.1f} us; host per call: dispatch {row['dispatch_bf16_host_us']:.0f} us, "
-                  f"combine {row['combine_host_us']:.0f} us", flush=True)
+                  f"combine {row['combine_host_us']:.0f} us; round trip equal: {row['roundtrip_equal']}", flush=True)
 
     # the nvlink transport replayed from CUDA graphs: the same GPU work with no host work per call (dispatch
     # with its device-side count exchange: uncached)
@@ -502,6 +507,8 @@ def check_arguments(parser, args, gpus: int) -> None:
         parser.error("--comm-sms and --concurrent-sms must be at least 1")
     if args.reps < 1 or args.concurrent_rounds < 1:
         parser.error("--reps and --concurrent-rounds must be at least 1")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name) or args.name.startswith("."):
+        parser.error(f"--name {args.name!r}: a plain file name (letters, digits, _ . -), written to bench/results/")
     if 0 < args.soak_gemms < 8 or args.soak_gemms < 0:
         parser.error("--soak-gemms: 0 (no soak) or at least 8 (the middle half is timed)")
 
@@ -549,13 +556,18 @@ def main():
     parser.add_argument("--num-warps", type=int, default=16,
                         help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--name", default="ep", help="writes bench/results/<name>.json (default: ep)")
     args = parser.parse_args()
     check_arguments(parser, args, torch.cuda.device_count())
     res = run_ranks(worker, args.world, args)
     result = add_ep_rates({"env": environment(), "shape": vars(args), **res,
                            "notes": NOTES})
-    path = write_result("ep", result)
+    path = write_result(args.name, result)
     print(f"wrote {path}")
+    unequal = [f"{row['transport']} P={row['comm_sms']}: {case}" for row in res["rows"] + res["graph_rows"]
+               for case, ok in row["roundtrip_equal"].items() if not ok]
+    if unequal:
+        sys.exit(f"round trips that did not return their tokens: {'; '.join(unequal)} (times recorded in {path})")
 
 
 if __name__ == "__main__":

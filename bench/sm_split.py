@@ -88,8 +88,8 @@ def interleaved_row(rounds: list[dict], n: int, nbytes: int) -> dict:
     row = {
         "gemm_alone_ms": gemm_alone,
         "gemm_alone_tflops": gemm_tflops(gemm_alone, n),
-        "gemm_concurrent_ms": statistics.median(gemm_conc),
-        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
+        "gemm_concurrent_ms": statistics.median(gemm_conc) if gemm_conc else None,  # (no GEMM inside the copies)
+        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n) if gemm_conc else None,
         "gemm_concurrent_samples": len(gemm_conc),
         "copy_alone_ms": copy_alone,
         "copy_alone_gbps": copy_gbps(copy_alone, nbytes),
@@ -98,7 +98,7 @@ def interleaved_row(rounds: list[dict], n: int, nbytes: int) -> dict:
         "copy_concurrent_samples": len(copy_conc),
         "windows": [r["window"] for r in rounds],
     }
-    row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
+    row["gemm_kept"] = (row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]) if gemm_conc else None
     row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
     row["interleave_rounds"] = len(rounds)
     for side in ("gemm", "copy"):
@@ -286,8 +286,8 @@ def main():
                             **head,
                             "gemm_alone_ms": gemm_alone["median_ms"],
                             "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
-                            "gemm_concurrent_ms": statistics.median(gemm_conc),
-                            "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n),
+                            "gemm_concurrent_ms": statistics.median(gemm_conc) if gemm_conc else None,
+                            "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n) if gemm_conc else None,
                             "gemm_concurrent_samples": len(gemm_conc),
                             "copy_alone_ms": copy_alone["median_ms"],
                             "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
@@ -296,7 +296,7 @@ def main():
                             "copy_concurrent_samples": len(copy_conc),
                             **windows,
                         }
-                        row["gemm_kept"] = row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]
+                        row["gemm_kept"] = (row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]) if gemm_conc else None
                         row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
                     if comm_sms == args.trace_at and not evict_first:
                         FIGURES.mkdir(parents=True, exist_ok=True)
@@ -316,7 +316,7 @@ def main():
                         print(interleaved_line(label, comm_sms, budget.comm_sms, row), flush=True)
                         continue
                     print(f"{label:{8 if methods == ['ldst'] else 13}s} comm {comm_sms:2d}->{budget.comm_sms:2d} | GEMM alone {row['gemm_alone_tflops']:6.1f} "
-                          f"conc {row['gemm_concurrent_tflops']:6.1f} TFLOP/s ({row['gemm_kept']:.3f}) | copy alone "
+                          f"conc {row['gemm_concurrent_tflops'] or float('nan'):6.1f} TFLOP/s ({row['gemm_kept'] or float('nan'):.3f}) | copy alone "
                           f"{row['copy_alone_gbps']:7.1f} conc {row['copy_concurrent_gbps'] or float('nan'):7.1f} GB/s "
                           f"({row['copy_kept'] or float('nan'):.3f})" + (f" | shared SMs {row['trace_shared_sm_count']}" if "trace" in row else ""),
                           flush=True)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -88,6 +89,8 @@ def test_concurrent_line_reports_the_comm_slowdown_when_measured():
     (["--world", "2", "--comm-sms", "0", "20"], 2, "at least 1"),
     (["--world", "2", "--reps", "0"], 2, "at least 1"),
     (["--world", "2", "--soak-gemms", "4"], 2, "soak"),
+    (["--world", "2", "--name", "../ep"], 2, "plain file name"),
+    (["--world", "2", "--name", ".ep"], 2, "plain file name"),
 ])
 def test_ep_refuses_arguments_it_cannot_run(argv, gpus, message, capsys):
     ep = pytest.importorskip("ep")
@@ -119,3 +122,13 @@ def test_ep_accepts_the_issue_run():
     args = _ep_args(ep, [], 2)
     assert args.world == 2 and args.comm_sms == [8, 16, 20, 24, 32]
     ep.check_arguments(argparse.ArgumentParser(), args, 2)
+
+
+def test_results_are_strict_json_with_unmeasured_times_as_null(tmp_path, monkeypatch):
+    common = pytest.importorskip("common")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.write_result("t", {"ms": float("nan"), "rows": [{"a": float("inf"), "b": 1.5}],
+                                     "t": (torch.tensor(2.0).item(), -float("inf")), "n": 3})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"ms": None, "rows": [{"a": None, "b": 1.5}], "t": [2.0, None], "n": 3}

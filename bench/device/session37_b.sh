@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 37, one H200: bench/ep.py's one-rank smoke run again with the comm-alone timing queued behind a sleep kernel
-# (bench/common.py time_ms gate_ms; its --world >= 2 check lifted in this copy only, no figures kept); then session
+# (bench/common.py time_ms gate_ms), every eager row's round trip checked (copy_engine's too) and --name (its --world
+# >= 2 check lifted in this copy only, no figures kept); then session
 # 36's memcheck positive control and the Buffer rounds and graph workers at one rank under memcheck (session 36's
 # logs of these were lost with that session's cut-off).
 set -u
@@ -9,9 +10,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=$(mktemp -d)
 save() { tar -C "$L" -cf "$OUT/session37_b_logs.tar" .; }
 sed -i 's/if args.world < 2 or/if args.world < 1 or/' bench/ep.py
 timeout -s KILL 200 python3 bench/ep.py --world 1 --tokens 512 --hidden 2048 --experts 32 --topk 4 --comm-sms 20 \
-  --reps 3 --concurrent-rounds 2 --transports nvlink copy_engine > "$L/ep_world1_smoke.log" 2>&1
-echo "ep.py world 1 smoke rc $?"; grep concurrent "$L/ep_world1_smoke.log" | cut -c1-400
-cp bench/results/ep.json "$L/ep_world1_smoke.json" 2>/dev/null; save
+  --reps 3 --concurrent-rounds 2 --name ep_world1_smoke > "$L/ep_world1_smoke.log" 2>&1
+echo "ep.py world 1 smoke rc $?"; grep -E "concurrent|round trip" "$L/ep_world1_smoke.log" | cut -c1-330
+cp bench/results/ep_world1_smoke.json "$L/ep_world1_smoke.json" 2>/dev/null; save
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null
 MC="compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --print-limit 30"
 for mode in clean overrun; do
