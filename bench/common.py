@@ -234,6 +234,24 @@ def run_ranks(worker, world: int, args):
     return queue.get(timeout=10)
 
 
+def max_difference(got, want, scale: float = 1.0) -> tuple[float, float]:
+    """``(max |got - w|, that over max |w|)`` for ``w = scale * want``, in float32 on ``got``'s device: 0 when both
+    are None; both infinite when only one is, when the shapes differ or when ``got`` holds a NaN or an infinity
+    (a check of a result against its reference)."""
+    if got is None or want is None:
+        return (0.0, 0.0) if got is None and want is None else (math.inf, math.inf)
+    if got.shape != want.shape:
+        return math.inf, math.inf
+    if want.numel() == 0:
+        return 0.0, 0.0
+    want = want.detach().to(got.device, torch.float32) * scale
+    diff = (got.detach().float() - want).abs().max().item()
+    if not math.isfinite(diff):
+        return math.inf, math.inf
+    largest = want.abs().max().item()
+    return diff, diff / largest if largest > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def _json_safe(value):
     """``value`` with every NaN or infinite float (a time that was not measured) as None: strict JSON."""
     if isinstance(value, dict):

@@ -10,6 +10,11 @@ micro-batch per rank, bf16, FP8 dispatch and BF16 combine. For each (transport, 
 Times are CUDA-event medians; ``exposed`` is the share of the step in which communication ran and no compute
 did (from per-piece events). The best split is picked with `smsplit.autotune.autotune_split`.
 
+Checked on each (transport, comm SMs), after its timed steps: one more serial and one more overlapped step on
+fresh random micro-batches, gradients poisoned with NaN before each; A's output, B's input gradient and every
+parameter gradient of the overlapped step must equal the serial step's within --tolerance on every rank
+(``overlapped_equals_serial`` in each row). The script exits 1, after writing its result, when any differs.
+
 Run on 2x H200:  PYTHONPATH=src python3 bench/moe_overlap.py
 EP8:            PYTHONPATH=src python3 bench/moe_overlap.py --world 8
 CPU smoke run:   PYTHONPATH=src python3 bench/moe_overlap.py --smoke [--world 4]   (gloo ranks, tiny shapes)
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -36,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIGURES, environment, write_result  # noqa: E402
+from common import FIGURES, environment, max_difference, write_result  # noqa: E402
 
 from smsplit.ep.testing import free_port  # noqa: E402
 from smsplit.moe.layer import GROUPED_MM_PATH  # noqa: E402
@@ -66,7 +72,7 @@ class Case:
         moe.expert_alignment = 16 if device.type == "cuda" else 1
         moe.router.eval()  # no load counting in a benchmark
         batch = shape["tokens"] // shape["seq_len"]
-        g = torch.Generator().manual_seed(100 + rank)
+        self.generator = g = torch.Generator().manual_seed(100 + rank)
         self.inputs = [torch.randn(batch, shape["seq_len"], shape["dim"], generator=g).to(device, dtype)
                        for _ in range(2)]
         self.grad = torch.randn(batch, shape["seq_len"], shape["dim"], generator=g).to(device, dtype) * 1e-2
@@ -89,6 +95,99 @@ class Case:
         seconds = _elapsed(start, end)
         del y_a
         return seconds, runner.exposed_comm()
+
+    def fresh_inputs(self):
+        """New random micro-batches A and B and B's output gradient, drawn as the timed ones are."""
+        like = self.inputs[0]
+        x_a, x_b, grad = (torch.randn(like.shape, generator=self.generator).to(like.device, like.dtype)
+                          for _ in range(3))
+        return x_a, x_b, grad * 1e-2
+
+    def outcome(self, fb, runner, inputs) -> dict:
+        """One step of ``fb`` on ``inputs`` (`fresh_inputs`), the gradients poisoned first: copies of A's output,
+        B's input gradient and every parameter's gradient (``"gradient of <name>"``, None where none); the
+        originals are poisoned and dropped (see `_taken`)."""
+        x_a, x_b, grad = inputs
+        _poison(p.grad for p in self.block.parameters())
+        self.block.zero_grad(set_to_none=True)
+        x_b = x_b.detach().requires_grad_()
+        y_b = self.block(x_b)
+        (y_a,), _ = fb(self.block, [x_a.detach().requires_grad_()], None, [], self.block, None, [y_b], [grad],
+                       runner=runner)
+        result = {"output": y_a, "input gradient": x_b.grad}
+        result.update((f"gradient of {n}", p.grad) for n, p in self.block.named_parameters())
+        taken = _taken(result)
+        self.block.zero_grad(set_to_none=True)
+        return taken
+
+
+# Largest accepted max |difference| / max |serial's| of a checked tensor. The two steps run the same ops on the
+# same inputs (the overlapped one in another order, its weight gradients deferred), so float32 agrees to rounding;
+# bf16 leaves room for kernels that sum in a varying order (atomics).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _poison(tensors) -> None:
+    """Fill each floating-point tensor of ``tensors`` (None skipped) with NaN, so that memory the allocator hands
+    out once they are dropped holds NaN, not their values: a later step that fails to write a result cannot pass
+    a check."""
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            t.detach().fill_(math.nan)
+
+
+def _taken(tensors: dict) -> dict:
+    """Copies of ``tensors`` (None stays None); the originals are poisoned (`_poison`)."""
+    copies = {k: None if t is None else t.detach().clone() for k, t in tensors.items()}
+    _poison(tensors.values())
+    return copies
+
+
+GROUPS = ("output", "input gradient", "parameter gradients")  # what a check compares, in this order
+
+
+def differences(got: dict, want: dict) -> dict:
+    """Per group of GROUPS, the largest `max_difference` of the tensors of ``got`` and ``want`` (`Case.outcome`s):
+    ``{group: (max |diff|, max |diff| / max |want|)}``; "parameter gradients" are the "gradient of ..." entries. A
+    name in only one of them counts as an infinite difference."""
+    out = {group: (0.0, 0.0) for group in GROUPS}
+    for name in set(got) | set(want):
+        group = "parameter gradients" if name.startswith("gradient of ") else name
+        if name not in got or name not in want:
+            diff = (math.inf, math.inf)
+        else:
+            diff = max_difference(got[name], want[name])
+        out[group] = tuple(max(a, b) for a, b in zip(out[group], diff))
+    return out
+
+
+def _check(case, runner, tolerance: float, device) -> dict:
+    """One serial and one overlapped step on the same fresh inputs on this split; the largest differences over
+    every rank, and ``overlapped_equals_serial``: all within ``tolerance`` (max |diff| / max |serial's|)."""
+    inputs = case.fresh_inputs()
+    serial = case.outcome(serial_forward_backward, runner, inputs)
+    overlapped = case.outcome(overlapped_forward_backward, runner, inputs)
+    mine = differences(overlapped, serial)
+    worst = torch.tensor([x for group in GROUPS for x in mine[group]], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    worst = worst.tolist()
+    groups = {group: dict(max_abs_diff=worst[2 * i], max_rel_diff=worst[2 * i + 1]) for i, group in enumerate(GROUPS)}
+    rel = max(g["max_rel_diff"] for g in groups.values())
+    return dict(overlapped_equals_serial=rel <= tolerance,
+                check=dict(max_rel_diff=rel, max_abs_diff=max(g["max_abs_diff"] for g in groups.values()),
+                           exact=all(g["max_abs_diff"] == 0 for g in groups.values()), tolerance=tolerance,
+                           **groups))
+
+
+def mismatched(rows) -> list[str]:
+    """The rows (``"<transport> comm_sms=<n>"``) whose overlapped step differed from the serial one."""
+    return [f"{r['transport']} comm_sms={r['comm_sms']}" for r in rows if r.get("overlapped_equals_serial") is False]
+
+
+def exit_if_mismatched(bad: list[str]) -> None:
+    """Exit with status 1, naming them, when any row's overlapped step differed from its serial step."""
+    if bad:
+        sys.exit(f"moe_overlap.py: the overlapped step differs from the serial step: {', '.join(bad)}")
 
 
 def _now(runner):
@@ -130,7 +229,7 @@ def _buffer(Buffer, shape, world, budget, transport, timeout_s, dtype):
     return Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, budget=budget, backend=transport, timeout_s=timeout_s)
 
 
-def _worker(rank, world, port, args):
+def _worker(rank, world, port, args, queue):
     from smsplit.ep import Buffer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -147,6 +246,7 @@ def _worker(rank, world, port, args):
             shape["n_experts"] = args.experts
         device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
         dtype = torch.bfloat16 if on_gpu else torch.float32
+        tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype]
         case = Case(shape, rank, world, device, dtype)
         rows = []
         splits = [(t, n) for t in args.transports for n in (args.comm_sms if on_gpu else [0])]
@@ -167,6 +267,7 @@ def _worker(rank, world, port, args):
                                      budget.compute_stream if budget else None, record=True)
                 case.set_split(buffer, runner)
                 row.update(_measure(case, runner, args.iters, args.warmup))
+                row.update(_check(case, runner, tolerance, device))
             except Exception as e:  # noqa: BLE001 - an unavailable transport is a row, not a crash
                 row["error"] = f"{type(e).__name__}: {e}"
             finally:
@@ -208,6 +309,8 @@ def _worker(rank, world, port, args):
             if rank == 0:
                 print(f"autotuned best split: {best}", flush=True)
             write(best)
+        if rank == 0:
+            queue.put(mismatched(rows))
     finally:
         dist.destroy_process_group()
 
@@ -256,10 +359,12 @@ def _tune_and_trace(case, splits, state, args, shape, world, device, dtype, rank
 def _format_row(row) -> str:
     if "error" in row:
         return f"{row['transport']:>10} comm_sms={row['comm_sms']:>3}: {row['error']}"
-    s, o = row["serial"], row["overlapped"]
+    s, o, c = row["serial"], row["overlapped"], row["check"]
     return (f"{row['transport']:>10} comm_sms={row['comm_sms']:>3}: serial {s['ms']:8.2f} ms "
             f"(exposed {100 * s['exposed_fraction']:4.1f}%)  overlapped {o['ms']:8.2f} ms "
-            f"(exposed {100 * o['exposed_fraction']:4.1f}%)  speedup {row['speedup']:.2f}x")
+            f"(exposed {100 * o['exposed_fraction']:4.1f}%)  speedup {row['speedup']:.2f}x; overlapped "
+            + ("= serial" if row["overlapped_equals_serial"] else "DIFFERS from serial")
+            + f" (max |diff| / max |serial| {c['max_rel_diff']:.2g}, tolerance {c['tolerance']:.2g})")
 
 
 def main(argv=None):
@@ -276,13 +381,18 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trace", action="store_true", help="write an SM trace of one overlapped step (GPU)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="bound on every wait for the peer")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="largest accepted max |difference| / max |serial's| of the checked overlapped step's "
+                        "output and gradients (default 1e-4 in float32, 2e-2 in bfloat16)")
     args = parser.parse_args(argv)
     world = args.world
     if world < 2:
         parser.error(f"--world must be >= 2, got {world}")
     if not args.smoke and torch.cuda.device_count() < world:
         parser.error(f"needs {world} GPUs (found {torch.cuda.device_count()}); use --smoke on a CPU")
-    mp.spawn(_worker, args=(world, free_port(), args), nprocs=world, join=True)
+    queue = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(world, free_port(), args, queue), nprocs=world, join=True)
+    exit_if_mismatched(queue.get(timeout=10))
 
 
 if __name__ == "__main__":

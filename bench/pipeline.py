@@ -18,6 +18,10 @@ the rank's op times. Predicted: simulate("dualpipev", ...) fed each rank's mean 
 its op overhead (mean gap between ops with no p2p batch between them) and the time of one activation
 message (ping-pong), with sync="inputs" and sync="batches" (NCCL's batched p2p: a rendezvous), with
 and without the overhead; the main prediction is sync="batches" with the overhead.
+Checked: one more step of every schedule on fresh random data (gradients poisoned with NaN first), its
+per-micro-batch losses and its gradients against the whole model run in one process, micro-batch after
+micro-batch (gradients of the summed losses; torch's scale_grads divides them by --chunks), within
+--tolerance; the script exits 1, after writing its result, when any schedule differs.
 Writes bench/results/pipeline.json and bench/figures/pipeline_{measured,simulated}.png
 (other rank counts: pipeline_<N>ranks*; --smoke: *_smoke.* instead). --reanalyse FILE redoes the analysis from a results file's raw times.
 """
@@ -25,6 +29,7 @@ Writes bench/results/pipeline.json and bench/figures/pipeline_{measured,simulate
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -45,7 +50,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from common import FIGURES, call_times_ms, environment, write_result  # noqa: E402
+from common import FIGURES, call_times_ms, environment, max_difference, write_result  # noqa: E402
 
 from smsplit.pipeline import (  # noqa: E402
     DualPipe,
@@ -99,6 +104,108 @@ def make_stage(args, stage: int, device, dtype, linear=nn.Linear) -> nn.Sequenti
 
 def loss_fn(out, target):
     return F.mse_loss(out.float(), target.float())
+
+
+# Largest accepted max |difference| / max |reference| of a checked tensor: float32 (CPU) schedules differ from
+# the reference only in the order of sums; bf16 gradients also round each micro-batch's sum (8 by default).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def poison_grads(params) -> None:
+    """Fill every gradient of ``params`` with NaN and drop it: memory that a later step gets back from the
+    allocator holds NaN, not this gradient, so a gradient the step fails to write cannot pass a check."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().fill_(math.nan)
+            p.grad = None
+
+
+def stage_params(stage_ids, module, blocks_per_stage: int):
+    """``((stage, name), parameter)`` for ``module``, the blocks of make_stage(s) for each s of ``stage_ids`` in a
+    row; ``name`` is the parameter's name in make_stage(s) (the reference's key)."""
+    for name, p in module.named_parameters():
+        block, rest = name.split(".", 1)
+        stage, block = divmod(int(block), blocks_per_stage)
+        yield (stage_ids[stage], f"{block}.{rest}"), p
+
+
+class Check:
+    """The reference every schedule's checked step must give: the whole model (stages 0 .. STAGES-1, make_stage's
+    initial weights) in this process on a fresh random batch, one micro-batch after another.
+
+    Args:
+        args: the script's arguments (model shape, --chunks, --micro-batch, --seq).
+        device, dtype: where and in what the reference runs (as the schedules).
+        tolerance: largest accepted max |difference| / max |reference| of a loss vector or a gradient.
+    """
+
+    def __init__(self, args, device, dtype, tolerance: float):
+        self.blocks_per_stage, self.tolerance, self.device = args.blocks_per_stage, tolerance, device
+        g = torch.Generator(device="cpu").manual_seed(1)  # the timed steps' data is seed 0's
+        shape = (args.chunks * args.micro_batch, args.seq, args.hidden)
+        # kept on the CPU: held on the device, it would count in every schedule's peak memory
+        self.batch = tuple(torch.randn(shape, generator=g).to(dtype=dtype) for _ in range(2))
+        stages = [make_stage(args, s, device, dtype) for s in range(STAGES)]
+        model = nn.Sequential(*stages)
+        losses = []
+        for x, y in zip(*(t.to(device).chunk(args.chunks) for t in self.batch)):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        self.losses = torch.stack(losses).cpu()
+        self.grads = {(s, n): p.grad.cpu() for s, m in enumerate(stages) for n, p in m.named_parameters()}
+
+    def run(self, step, held, loss_chunks, grad_scale: float = 1.0) -> dict:
+        """Poison the gradients of ``held`` and run ``step(batch)`` (one step of a schedule on ``self.batch``, given
+        on the device); compare the losses it returns (a tensor, or None where no lane ends) with the reference's of
+        micro-batches ``loss_chunks``, and the gradients of ``held`` (``[(stage ids, module)]``, see `stage_params`) with
+        ``grad_scale`` times the reference's. Returns this rank's figures (see `merge_checks`)."""
+        params = [p for _, module in held for p in module.parameters()]
+        poison_grads(params)
+        losses = step(tuple(t.to(self.device) for t in self.batch))
+        loss_chunks = list(loss_chunks)
+        loss_diff = max_difference(losses, self.losses[loss_chunks]) if loss_chunks else (0.0, 0.0)
+        grad_diff, stages = (0.0, 0.0), set()
+        for stage_ids, module in held:
+            for key, p in stage_params(stage_ids, module, self.blocks_per_stage):
+                diff = max_difference(p.grad, self.grads[key], grad_scale)
+                grad_diff = tuple(max(a, b) for a, b in zip(grad_diff, diff))
+                stages.add(key[0])
+        return {"losses": len(loss_chunks), "loss_max_abs_diff": loss_diff[0], "loss_max_rel_diff": loss_diff[1],
+                "stages": sorted(stages), "grads": len(params), "grad_max_abs_diff": grad_diff[0],
+                "grad_max_rel_diff": grad_diff[1], "grad_scale": grad_scale, "tolerance": self.tolerance}
+
+
+def merge_checks(per_rank: list[dict], chunks: int, stages: int) -> dict:
+    """One schedule's check from its ranks' `Check.run` figures: the largest differences, and
+    ``equals_reference``: every micro-batch's loss and every stage's gradients were compared, all within the
+    tolerance."""
+    merged = {k: max(c[k] for c in per_rank) for k in ("loss_max_abs_diff", "loss_max_rel_diff",
+                                                      "grad_max_abs_diff", "grad_max_rel_diff")}
+    covered = sorted(set().union(*(c["stages"] for c in per_rank)))
+    tolerance = per_rank[0]["tolerance"]
+    merged.update(losses=sum(c["losses"] for c in per_rank), stages=covered, tolerance=tolerance,
+                  grad_scale=per_rank[0]["grad_scale"])
+    merged["equals_reference"] = (merged["losses"] == chunks and covered == list(range(stages))
+                                  and merged["loss_max_rel_diff"] <= tolerance
+                                  and merged["grad_max_rel_diff"] <= tolerance)
+    return merged
+
+
+def check_text(check: dict) -> str:
+    """A schedule's check in words."""
+    verdict = "equal the reference" if check["equals_reference"] else "DIFFER from the reference"
+    return (f"losses ({check['losses']}) and gradients (stages {check['stages']}) {verdict}: max |diff| / max |ref| "
+            f"loss {check['loss_max_rel_diff']:.2g}, gradients {check['grad_max_rel_diff']:.2g} "
+            f"(tolerance {check['tolerance']:.2g})")
+
+
+def exit_if_mismatched(per_schedule: dict) -> None:
+    """Exit with status 1, naming them, if the checked step of any schedule differs from the reference."""
+    bad = [name for name, entry in per_schedule.items()
+           if "check" in entry and not entry["check"]["equals_reference"]]
+    if bad:
+        sys.exit(f"pipeline.py: losses or gradients differ from the single-process reference: {', '.join(bad)}")
 
 
 def time_steps(run_step, cuda: bool, warmup: int, steps: int) -> dict:
@@ -157,18 +264,21 @@ OP_FIELDS = ("name", "kind", "module", "chunk", "b_module", "b_chunk", "split",
              "start_ms", "end_ms", "host_start_ms", "host_end_ms")
 
 
-def bench_smsplit(args, rank, device, dtype, cuda, data):
-    x, y = data
+def bench_smsplit(args, rank, device, dtype, cuda, data, check):
     m0 = make_stage(args, rank, device, dtype, Linear)
     m1 = make_stage(args, STAGES - 1 - rank, device, dtype, Linear)
     pipe = DualPipeV((m0, m1))
 
-    def run_step():
+    def step(batch):
+        x, y = batch
         pipe.zero_grad(set_to_none=True)
         if rank == 0:
-            pipe.step(x, num_chunks=args.chunks, criterion=loss_fn, labels=(y,))
-        else:
-            pipe.step(num_chunks=args.chunks)
+            return pipe.step(x, num_chunks=args.chunks, criterion=loss_fn, labels=(y,))[0]
+        pipe.step(num_chunks=args.chunks)
+        return None
+
+    def run_step():
+        step(data)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -176,52 +286,62 @@ def bench_smsplit(args, rank, device, dtype, cuda, data):
     result["peak_memory_gib"] = peak_memory(cuda)
     result["timeline"] = record_timeline(pipe, run_step, cuda)
     assert [o[0] for o in result["timeline"]["ops"]] == [str(o) for o in schedule("dualpipev", RANKS, args.chunks)[rank]]
+    result["check"] = check.run(step, [((rank,), m0), ((STAGES - 1 - rank,), m1)],
+                                range(args.chunks) if rank == 0 else ())
     return result
 
 
-def bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data):
+def bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data, check):
     """smsplit DualPipe: the same blocks as the other schedules in RANKS stages of two of ours each (like
     1F1B's); rank r holds stages r and RANKS-1-r (every stage twice, same initial weights), half of the
     micro-batches enter at each end, and each step ends by summing the two copies' gradients."""
-    x, y = data
-    half = x.size(0) // 2
-
     def stage(s):
         return nn.Sequential(*make_stage(args, 2 * s, device, dtype, Linear),
                              *make_stage(args, 2 * s + 1, device, dtype, Linear))
 
     pipe = DualPipe((stage(rank), stage(RANKS - 1 - rank)))
 
-    def run_step():
+    def step(batch):
+        x, y = batch
+        half = x.size(0) // 2
         pipe.zero_grad(set_to_none=True)
+        loss = None
         if rank == 0:  # lane 0 starts here, lane 1 (the other half) ends here
-            pipe.step(x[:half], num_chunks=args.chunks, criterion=loss_fn, labels=(y[half:],))
+            loss, _ = pipe.step(x[:half], num_chunks=args.chunks, criterion=loss_fn, labels=(y[half:],))
         elif rank == RANKS - 1:
-            pipe.step(x[half:], num_chunks=args.chunks, criterion=loss_fn, labels=(y[:half],))
+            loss, _ = pipe.step(x[half:], num_chunks=args.chunks, criterion=loss_fn, labels=(y[:half],))
         else:
             pipe.step(num_chunks=args.chunks)
         sum_stage_copies(pipe)
+        return loss
+
+    def run_step():
+        step(data)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     result = time_steps(run_step, cuda, args.warmup, args.steps)
     result["peak_memory_gib"] = peak_memory(cuda)
+    half = args.chunks // 2  # rank 0's losses are lane 1's (the second half's), the last rank's lane 0's
+    loss_chunks = range(half, args.chunks) if rank == 0 else range(half) if rank == RANKS - 1 else ()
+    held = [((2 * rank, 2 * rank + 1), pipe.module[0]),
+            ((2 * (RANKS - 1 - rank), 2 * (RANKS - 1 - rank) + 1), pipe.module[1])]
+    result["check"] = check.run(step, held, loss_chunks)
     return result
 
 
-def bench_torch(args, name, rank, device, dtype, cuda, data):
+def bench_torch(args, name, rank, device, dtype, cuda, data, check):
     from torch.distributed import pipelining as pl
 
     if not hasattr(pl, name):
         return {"skipped": f"torch {torch.__version__} has no torch.distributed.pipelining.{name}"}
     try:
-        return _bench_torch(args, pl, name, rank, device, dtype, cuda, data)
+        return _bench_torch(args, pl, name, rank, device, dtype, cuda, data, check)
     except Exception as e:  # noqa: BLE001 -- recorded: one schedule failing must not lose the others' figures
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _bench_torch(args, pl, name, rank, device, dtype, cuda, data):
-    x, y = data
+def _bench_torch(args, pl, name, rank, device, dtype, cuda, data, check):
     cls = getattr(pl, name)
     if name == "ScheduleDualPipeV":
         stage_ids = [rank, STAGES - 1 - rank]
@@ -229,22 +349,32 @@ def _bench_torch(args, pl, name, rank, device, dtype, cuda, data):
         stages = [pl.PipelineStage(m, s, STAGES, device) for m, s in zip(mods, stage_ids)]
         sched = cls(stages, n_microbatches=args.chunks, loss_fn=loss_fn)
         first, last = rank == 0, rank == 0
+        held = [((s,), m) for s, m in zip(stage_ids, mods)]
     else:  # one stage per rank made of two consecutive model stages, same blocks in total
         mods = [nn.Sequential(*make_stage(args, 2 * rank, device, dtype),
                               *make_stage(args, 2 * rank + 1, device, dtype))]
         sched = cls(pl.PipelineStage(mods[0], rank, RANKS, device), n_microbatches=args.chunks, loss_fn=loss_fn)
         first, last = rank == 0, rank == RANKS - 1
+        held = [((2 * rank, 2 * rank + 1), mods[0])]
 
-    def run_step():
+    def step(batch):
+        x, y = batch
         for m in mods:
             m.zero_grad(set_to_none=True)
-        kwargs = {"target": y, "losses": []} if last else {}
+        losses = []
+        kwargs = {"target": y, "losses": losses} if last else {}
         sched.step(*((x,) if first else ()), **kwargs)
+        return torch.stack(losses) if last else None
+
+    def run_step():
+        step(data)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     result = time_steps(run_step, cuda, args.warmup, args.steps)
     result["peak_memory_gib"] = peak_memory(cuda)
+    scale = 1 / args.chunks if getattr(sched, "scale_grads", False) else 1.0  # torch's default: the mean
+    result["check"] = check.run(step, held, range(args.chunks) if last else (), scale)
     return result
 
 
@@ -457,15 +587,18 @@ def worker(rank: int, args, port: int, queue) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     shape = (args.chunks * args.micro_batch, args.seq, args.hidden)
     data = (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
-    out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, cuda, data)}
+    check = Check(args, device, dtype, args.tolerance if args.tolerance is not None else TOLERANCE[dtype])
+    if cuda:
+        torch.cuda.empty_cache()
+    out = {"smsplit.DualPipeV": bench_smsplit(args, rank, device, dtype, cuda, data, check)}
     out["smsplit.DualPipeV"]["p2p_message_ms"] = p2p_message_ms(args, rank, device, dtype, cuda)
     if cuda:
         torch.cuda.empty_cache()
-    out["smsplit.DualPipe"] = bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data)
+    out["smsplit.DualPipe"] = bench_smsplit_dualpipe(args, rank, device, dtype, cuda, data, check)
     for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleDualPipeV"):
         if cuda:
             torch.cuda.empty_cache()
-        out[f"torch.{name}"] = bench_torch(args, name, rank, device, dtype, cuda, data)
+        out[f"torch.{name}"] = bench_torch(args, name, rank, device, dtype, cuda, data, check)
     queue.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -484,6 +617,9 @@ def main() -> None:
                    help="micro-batches per step (default max(8, 2 x ranks); DualPipeV needs >= 2 x ranks)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest accepted max |difference| / max |reference| of the checked step's losses and of "
+                   "each gradient (default 1e-4 in float32, 2e-2 in bfloat16)")
     p.add_argument("--reanalyse", metavar="JSON", help="no run: redo the bubble analysis of a results file "
                    "(its dualpipev_timeline.raw) and print it; works on a CPU")
     args = p.parse_args()
@@ -526,7 +662,9 @@ def main() -> None:
     per_schedule = {}
     for name in results[0]:
         recs = [results[r][name] for r in range(RANKS)]
-        entry = {k: v for k, v in recs[0].items() if k not in ("timeline", "steps_ms_this_rank")}
+        entry = {k: v for k, v in recs[0].items() if k not in ("timeline", "steps_ms_this_rank", "check")}
+        if all("check" in r for r in recs):
+            entry["check"] = merge_checks([r["check"] for r in recs], args.chunks, STAGES)
         entry["steps_ms_per_rank"] = [r.get("steps_ms_this_rank") for r in recs]
         entry["peak_memory_gib_per_rank"] = [r.get("peak_memory_gib") for r in recs]
         entry.pop("peak_memory_gib", None)
@@ -560,6 +698,11 @@ def main() -> None:
              f"stages, V-shaped; smsplit.DualPipe: the same {RANKS} stages as 1F1B, each held twice (rank r: "
              "stages r and ranks-1-r), half the micro-batches entering at each end, a step ending with "
              "sum_stage_copies"),
+            ("check: one more step of every schedule on fresh random data (seed 1), gradients poisoned with NaN "
+             "first; its per-micro-batch losses and its gradients against the whole model run in one process, "
+             "micro-batch after micro-batch (gradients of the summed losses, times grad_scale: torch's "
+             "scale_grads divides by the micro-batch count); differences are max |diff| / max |reference| of the "
+             "loss vector and of each gradient (rel) and max |diff| (abs), the worst over ranks"),
             ("dualpipev_timeline: one more step with CUDA events (and host times) at the start and end of "
              "every op. Measured bubble per rank = the schedule's span (rank 0's first op start to the last "
              "op end on any rank) - the rank's summed op times. Predicted = simulate('dualpipev') fed each "
@@ -579,8 +722,9 @@ def main() -> None:
     print(f"wrote {path}, {measured_png}, {simulated_png}")
     for name, entry in per_schedule.items():
         figure = entry.get("median_ms") or entry.get("skipped") or entry.get("error")
-        print(f"  {name:28s} {figure}")
+        print(f"  {name:28s} {figure}" + (f"\n  {'':28s} {check_text(entry['check'])}" if "check" in entry else ""))
     print_summary(timeline)
+    exit_if_mismatched(per_schedule)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _num(x, spec):
+    """``x`` formatted, "n/a" for a figure that was not measured (None, or NaN in older results)."""
+    return format(x, spec) if x is not None and x == x else "n/a"
+
+
 def env_line(env):
     return (f"{env.get('gpu')} x{env.get('gpu_count')}, driver {env.get('driver')}, torch {env['torch']}, "
             f"triton {env['triton']}, {env['date']}; command: `{env['command']}`")
@@ -28,15 +33,15 @@ def sm_split(name="sm_split"):
         shared = str(r.get("trace_shared_sm_count", "")) if "trace" in r else ""
         mode = r["mode"] + (" + L2 evict-first" if r.get("evict_first") else "")
         print(f"| {mode} | {r['requested_comm_sms']} → {r['comm_sms']} | {r['compute_sms']} | "
-              f"{r['gemm_alone_tflops']:.0f} | {r['gemm_concurrent_tflops']:.0f} | {r['gemm_kept']:.3f} | "
-              f"{r['copy_alone_gbps']:.0f} | {r['copy_concurrent_gbps']:.0f} | {r['copy_kept']:.3f} | {shared} |")
+              f"{_num(r['gemm_alone_tflops'], '.0f')} | {_num(r['gemm_concurrent_tflops'], '.0f')} | "
+              f"{_num(r['gemm_kept'], '.3f')} | {_num(r['copy_alone_gbps'], '.0f')} | "
+              f"{_num(r['copy_concurrent_gbps'], '.0f')} | {_num(r['copy_kept'], '.3f')} | {shared} |")
 
 
 def sm_split_interleaved(d):
     """Rows of a ``--interleave K`` run: medians over the K rounds of each round's own figures, and the
     rounds' kept range."""
-    def num(x, spec):
-        return format(x, spec) if x is not None else "n/a"
+    num = _num
 
     def kept(r, side):
         return (f"{num(r[f'{side}_kept_median'], '.3f')} ({num(r[f'{side}_kept_min'], '.3f')}–"
@@ -343,5 +348,90 @@ def ep_buffer(*names):
                     print(f"| {backend} | {label} | " + " | ".join(f"{r[k] * 1e3:.0f}" for k in keys) + " |")
 
 
+def _schedule_name(name):
+    return name.replace(".", " ", 1)  # "torch.Schedule1F1B" -> "torch Schedule1F1B"
+
+
+def _diff(x):
+    """A checked max |difference| / max |reference|; null in a result file is an infinite one (a missing result,
+    or a NaN in it)."""
+    return "inf" if x is None else f"{x:.1e}"
+
+
+def _pipeline_check(check):
+    """A `bench/pipeline.py` schedule's check (its "check" entry) as a table cell."""
+    verdict = "equal" if check["equals_reference"] else "DIFFER"
+    return f"{verdict} (loss {_diff(check['loss_max_rel_diff'])}, gradients {_diff(check['grad_max_rel_diff'])})"
+
+
+def pipeline(*names):
+    """BENCHMARKS §3 from bench/results/<name>.json files of `bench/pipeline.py` (default: pipeline and
+    pipeline_run2, the section's two runs): the first run's schedules (every one in the file; with the checked
+    step's max |diff| / max |reference| where the run checked them), the others' step times, and the DualPipeV
+    bubble of each run."""
+    runs = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names or ("pipeline", "pipeline_run2")]
+    d = runs[0]
+    print(f"Measured: {env_line(d)}\n")
+    checked = any("check" in e for e in d["schedules"].values())
+    print("| schedule | step (ms) | per rank (ms) | tokens/s | peak memory per rank (GiB) |"
+          + (" losses, gradients vs one process |" if checked else ""))
+    print("|---|---|---|---|---|" + ("---|" if checked else ""))
+    for name, e in d["schedules"].items():
+        cells = ([f"{e['median_ms']:.1f}", ", ".join(f"{t:.1f}" for t in e["median_ms_per_rank"]),
+                  f"{e['tokens_per_s']:.0f}", ", ".join(_num(m, ".2f") for m in e["peak_memory_gib_per_rank"])]
+                 if "median_ms" in e else [e.get("skipped") or f"error: {e.get('error')}", "", "", ""])
+        if checked:
+            cells.append(_pipeline_check(e["check"]) if "check" in e else "")
+        print(f"| {_schedule_name(name)} | " + " | ".join(cells) + " |")
+    for i, run in enumerate(runs[1:], 2):
+        print(f"\nRun {i} ({run['date']}): " + "; ".join(
+            f"{_schedule_name(name)} " + (f"{e['median_ms']:.1f} ms" if "median_ms" in e else "n/a")
+            for name, e in run["schedules"].items()) + ".")
+    ranks = len(d["dualpipev_timeline"]["measured_bubble_in_schedule_ms"])
+    print(f"\n| run | measured bubble, rank {' / '.join(map(str, range(ranks)))} (ms) | predicted (ms) | "
+          "measured / predicted | previous model (ms) |")
+    print("|---|---|---|---|---|")
+    for i, run in enumerate(runs, 1):
+        t = run["dualpipev_timeline"]
+        previous = t["predictions"].get("previous: inputs, Bi = B - W", {}).get("bubble_ms_per_rank")
+
+        def per_rank(xs):
+            return " / ".join(_num(x, ".2f") for x in xs) if xs else "n/a"
+
+        print(f"| {i} | {per_rank(t['measured_bubble_in_schedule_ms'])} | {per_rank(t['predicted']['bubble_ms_per_rank'])} | "
+              f"{per_rank(t['predicted']['measured_over_predicted'])} | {per_rank(previous)} |")
+
+
+def moe_overlap(*names):
+    """BENCHMARKS §4 from bench/results/<name>.json files of `bench/moe_overlap.py` (default: moe_overlap and
+    moe_overlap_transports, the section's two runs), one table each: a transport column where the file has more
+    than one transport, and the check of the overlapped step against the serial one where the run made it."""
+    for name in names or ("moe_overlap", "moe_overlap_transports"):
+        d = json.loads((RESULTS / f"{name}.json").read_text())
+        rows = d["rows"]
+        several = len({r["transport"] for r in rows}) > 1
+        checked = any("overlapped_equals_serial" in r for r in rows)
+        print(f"Measured ({name}.json): {env_line(d)}\n")
+        print(("| transport " if several else "") + "| comm SMs | serial (ms) | exposed | overlapped (ms) | exposed | "
+              "speed-up |" + (" overlapped = serial (max rel diff) |" if checked else ""))
+        print(("|---" if several else "") + "|---|---|---|---|---|---|" + ("---|" if checked else ""))
+        for r in rows:
+            if "error" in r:
+                cells = [f"error: {r['error']}", "", "", "", ""]
+            else:
+                s, o = r["serial"], r["overlapped"]
+                cells = [f"{s['ms']:.2f}", f"{100 * s['exposed_fraction']:.1f}%", f"{o['ms']:.2f}",
+                         f"{100 * o['exposed_fraction']:.1f}%", f"{r['speedup']:.2f}x"]
+            if checked:
+                cells.append(("yes" if r["overlapped_equals_serial"] else "NO")
+                             + f" ({_diff(r['check']['max_rel_diff'])})" if "check" in r else "")
+            print(("| " + r["transport"] + " " if several else "") + f"| {r['comm_sms']} | " + " | ".join(cells) + " |")
+        best = d.get("best") or {}
+        if "transport" in best:
+            print(f"\n`autotune_split` picked {best['transport']} with {best['comm_sms']} comm SMs.")
+        print()
+
+
 if __name__ == "__main__":
-    {"sm_split": sm_split, "ep": ep, "ep-rates": ep_rates, "ep-figure": ep_figure, "ep-buffer": ep_buffer}[sys.argv[1]](*sys.argv[2:])
+    {"sm_split": sm_split, "ep": ep, "ep-rates": ep_rates, "ep-figure": ep_figure, "ep-buffer": ep_buffer,
+     "pipeline": pipeline, "moe-overlap": moe_overlap}[sys.argv[1]](*sys.argv[2:])

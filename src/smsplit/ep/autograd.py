@@ -28,10 +28,14 @@ class _Dispatch(torch.autograd.Function):
         ctx.x_dtype, ctx.hidden = values.dtype, values.size(1)
         out_x = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         ctx.x_differentiable = out_x.dtype != torch.float8_e4m3fn
-        if not ctx.x_differentiable:
+        # An output requires grad only where its own input does (autograd would mark both outputs, from either):
+        # recv_x from x (never FP8 output), the weights from topk_weights.
+        if not (ctx.x_differentiable and ctx.needs_input_grad[3]):
             ctx.mark_non_differentiable(out_x)
         if recv_topk_weights is None:
             return out_x, None
+        if not ctx.needs_input_grad[4]:
+            ctx.mark_non_differentiable(recv_topk_weights)
         return out_x, recv_topk_weights
 
     @staticmethod
@@ -65,6 +69,11 @@ class _Combine(torch.autograd.Function):
         ctx.x_dtype, ctx.hidden = x.dtype, x.size(1)
         ctx.num_topk = topk_weights.size(1) if topk_weights is not None else 0
         ctx.event = event
+        # as in _Dispatch: combined_x from x and the biases, the weights from topk_weights only
+        if not any(ctx.needs_input_grad[i] for i in (4, 6, 7)):
+            ctx.mark_non_differentiable(combined_x)
+        if combined_topk_weights is not None and not ctx.needs_input_grad[5]:
+            ctx.mark_non_differentiable(combined_topk_weights)
         return combined_x, combined_topk_weights
 
     @staticmethod
