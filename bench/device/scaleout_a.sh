@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_nvlink.py -k "two_gpus" 2>&1 | tail -3
-timeout -s KILL 330 python3 bench/ep.py --comm-sms 20 24 --reps 20 --chunks 4 --copy-shares 1.0 0.7 --combine-weights 2>&1 \
+timeout -s KILL 330 python3 bench/ep.py --comm-sms 20 24 --reps 20 --chunks 4 --copy-shares 1.0 0.7 --combine-weights --name "ep_${N}gpus" 2>&1 \
   | grep -v -i warn | grep -v symm_mem | tee "$OUT/ep_${N}gpus.log" | tail -30
-cp bench/results/ep.json "$OUT/ep_${N}gpus.json" 2>/dev/null
+cp "bench/results/ep_${N}gpus.json" "$OUT/" 2>/dev/null
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1

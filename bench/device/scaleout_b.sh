@@ -10,11 +10,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 timeout -s KILL 200 python3 bench/ep.py --transports nvlink_copy_engine --comm-sms 20 24 --reps 20 --copy-shares 1.0 \
-  --concurrent-sms --quantize-step 8 8 2>&1 | grep -v -i warn | grep -v symm_mem | tee "$OUT/ep_${N}gpus_qstep8.log" | grep "graph, P="
+  --concurrent-sms --quantize-step 8 8 --name "ep_${N}gpus_qstep8" 2>&1 | grep -v -i warn | grep -v symm_mem \
+  | tee "$OUT/ep_${N}gpus_qstep8.log" | grep "graph, P="
+cp "bench/results/ep_${N}gpus_qstep8.json" "$OUT/" 2>/dev/null
 pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1
 for tb in 2 4; do
   timeout -s KILL 150 python3 bench/ep.py --transports nvlink_copy_engine --comm-sms 20 24 --reps 20 --copy-shares 1.0 \
-    --concurrent-sms --combine-weights --combine-tokens-per-step $tb 2>&1 | grep -v -i warn | grep -v symm_mem \
-    | tee "$OUT/ep_${N}gpus_combine_tb${tb}.log" | grep "graph, P="
+    --concurrent-sms --combine-weights --combine-tokens-per-step $tb --name "ep_${N}gpus_combine_tb${tb}" 2>&1 \
+    | grep -v -i warn | grep -v symm_mem | tee "$OUT/ep_${N}gpus_combine_tb${tb}.log" | grep "graph, P="
+  cp "bench/results/ep_${N}gpus_combine_tb${tb}.json" "$OUT/" 2>/dev/null
   pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null; sleep 1
 done
