@@ -244,11 +244,15 @@ def max_difference(got, want, scale: float = 1.0) -> tuple[float, float]:
         return math.inf, math.inf
     if want.numel() == 0:
         return 0.0, 0.0
-    want = want.detach().to(got.device, torch.float32) * scale
-    diff = (got.detach().float() - want).abs().max().item()
-    if not math.isfinite(diff):
-        return math.inf, math.inf
-    largest = want.abs().max().item()
+    got, want = got.detach().reshape(-1), want.detach().reshape(-1)
+    diff = largest = 0.0
+    step = 1 << 24  # elements at a time: no float32 copy of a whole (large) gradient
+    for i in range(0, want.numel(), step):
+        w = want[i:i + step].to(got.device, torch.float32) * scale
+        d = (got[i:i + step].float() - w).abs().max().item()
+        if not math.isfinite(d):
+            return math.inf, math.inf
+        diff, largest = max(diff, d), max(largest, w.abs().max().item())
     return diff, diff / largest if largest > 0 else (0.0 if diff == 0 else math.inf)
 
 

@@ -262,3 +262,14 @@ def test_moe_overlap_exits_non_zero_after_its_workers_report_a_mismatch(bad, mon
             moe_overlap.main(["--smoke"])
         assert e.value.code not in (None, 0) and "reference comm_sms=16" in str(e.value.code)
     assert spawned == {"fn": moe_overlap._worker, "nprocs": 2}
+
+
+def test_max_difference_over_several_pieces_is_that_of_the_whole():
+    common = pytest.importorskip("common")
+    g = torch.Generator().manual_seed(3)
+    want = torch.randn(3 * (1 << 24) // 2, generator=g)  # one and a half of its pieces
+    got = want.clone()
+    got[(1 << 24) + 5] += 0.75  # in the second piece
+    assert common.max_difference(got, want) == pytest.approx((0.75, 0.75 / want.abs().max().item()), rel=1e-6)
+    got[-1] = math.nan
+    assert common.max_difference(got, want) == (math.inf, math.inf)
