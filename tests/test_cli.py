@@ -44,7 +44,7 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(world_size=0), "world_size must be an int >= 1"), (dict(pp=0), "pp must be an int >= 1"),
     (dict(chunks=1), "chunks=1 must be at least 2 \\* pp"), (dict(steps=0), "steps must be"),
-    (dict(device="tpu"), "device must be"), (dict(lr=0.0), "lr must be"),
+    (dict(device="tpu"), "device must be"), (dict(lr=0.0), "lr must be"), (dict(lr=float("nan")), "lr must be"),
     (dict(device="cuda", world_size=64), "needs 64 CUDA GPUs")])
 def test_run_demo_refuses_bad_arguments_before_spawning(kwargs, message, tmp_path):
     from smsplit.moe.train import run_demo

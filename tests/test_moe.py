@@ -422,6 +422,54 @@ def test_overlapped_forward_backward_defers_weight_grads_when_pipeline_asks():
         torch.testing.assert_close(deferred[name], immediate[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_overlapped_backward_from_outputs_follows_what_the_module_did_to_its_taped_output():
+    """DualPipe hands the hook a stage's outputs and their gradients (every stage but the last). The hook used to
+    put that gradient on the tape's own output, so a module that post-processes it (here: halves it) got the
+    gradient of the unprocessed output: twice the serial path's."""
+    from smsplit.moe import Stage
+
+    class HalvedStage(Stage):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    cfg = ModelConfig(fp8_dispatch=False, n_layers=2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(11))
+
+    def criterion(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def grads(fb):
+        m0, m1 = build_stages(cfg, seed=5)
+        m0.__class__ = HalvedStage
+        outs = [m0(ids[:, c, :-1]) for c in range(2)]
+        ins = [o.detach().requires_grad_() for o in outs]
+        criterion(m1(ins[0]), ids[:, 0, 1:]).backward()
+        # F(chunk 1, module 1) with B(chunk 0, module 0) from module 0's output and its gradient
+        (_,), loss = fb(m1, [ins[1]], criterion, [ids[:, 1, 1:]], m0, None, [outs[0]], [ins[0].grad])
+        loss.backward()
+        torch.autograd.backward(outs[1], ins[1].grad)
+        return {f"{i}.{n}": p.grad.clone() for i, m in enumerate((m0, m1)) for n, p in m.named_parameters()}
+
+    serial, overlapped = grads(serial_forward_backward), grads(overlapped_forward_backward)
+    for name in serial:
+        torch.testing.assert_close(overlapped[name], serial[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stage_without_seed_keeps_the_default_initialisation_of_its_embedding():
+    """``seed=None`` is documented to keep PyTorch's default initialisation; the embedding was still drawn from
+    seed 0, the same whatever the global RNG."""
+    from smsplit.moe import Stage
+
+    cfg = ModelConfig(fp8_dispatch=False)
+    made = []
+    for rng in (1, 2, 1):
+        torch.manual_seed(rng)
+        made.append(Stage(cfg, [0], first=True, seed=None).embedding.weight.detach())
+    assert torch.equal(made[0], made[2]) and not torch.equal(made[0], made[1])
+    seeded = [Stage(cfg, [0], first=True, seed=3).embedding.weight.detach() for _ in range(2)]
+    assert torch.equal(*seeded)
+
+
 @pytest.mark.gpu
 def test_overlap_on_sm_budget_streams_matches_serial_on_gpu():
     from smsplit.budget import SmBudget
@@ -490,7 +538,11 @@ def test_moe_layer_refuses_bad_arguments(kwargs, words):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(dim=64), "multiple of 128"), (dict(n_heads=5), "n_heads=5 heads"), (dict(n_experts=6), "n_groups=4"),
-    (dict(topk=0), "topk must be"), (dict(n_layers=0), "n_layers must be")])
+    (dict(topk=0), "topk must be"), (dict(n_layers=0), "n_layers must be"),
+    # (these used to be accepted: the first two then failed inside every spawned worker, rope_theta trained on NaN)
+    (dict(route_scale=0.0), "route_scale must be a finite number > 0"), (dict(n_shared=-1), "n_shared must be"),
+    (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"), (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(fp8_dispatch="no"), "fp8_dispatch must be a bool")])
 def test_model_config_refuses_a_model_that_cannot_be_built(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ModelConfig(**kwargs)

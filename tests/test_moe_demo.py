@@ -93,3 +93,84 @@ def test_a_one_step_demo_times_its_ops(tmp_path):
     summary = run_demo(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60)
     ops = summary["op_seconds"]
     assert ops.get("F", 0) > 0 and ops.get("FB", 0) > 0, ops
+
+
+def _stalled_dispatch_worker(rank, world, port, opts, out_dir):
+    """The demo's own worker; rank 1 stalls in its first EP dispatch (inside the pipeline step) until rank 0 has
+    given up (at most 20 s). Each rank writes what it raised."""
+    import time
+
+    import smsplit.moe.layer as layer
+    import smsplit.moe.train as train
+
+    real = layer.MoE.dispatch
+
+    def stalled(self, *args):
+        end = time.monotonic() + 20
+        while rank == 1 and not (out_dir / "rank0.json").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        return real(self, *args)
+
+    layer.MoE.dispatch = stalled
+    outcome = {"error": None}
+    try:
+        train._worker(rank, world, port, opts)
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        outcome = {"error": type(error).__name__, "message": str(error)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_a_peer_stalled_inside_the_pipeline_step_is_named_with_the_rank_step_op_and_piece(tmp_path):
+    """An EP wait inside `pipe.step` (a dispatch or combine piece) used to end the demo with the buffer's bare
+    message ("dispatch: waiting for counts from rank 1 ..."): no rank, step, pipeline op or layer."""
+    import torch.multiprocessing as mp
+
+    from smsplit.ep.testing import free_port
+
+    opts = dict(out_dir=str(tmp_path / "report"), steps=1, device="cpu", world_size=2, pp=1, chunks=2, batch=4,
+                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=5, ep_backend="reference")
+    mp.spawn(_stalled_dispatch_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["error"] == "RuntimeError", rank0
+    message = rank0["message"]
+    assert message.startswith("rank 0: step 0: pipeline op F0.0, piece 'dispatch.0': "), message
+    assert "waiting for counts from rank 1" in message, message
+
+
+def test_model_overrides_and_an_infinite_lr_are_refused_before_spawning(tmp_path, monkeypatch):
+    """These used to start the processes: an infinite lr trained on NaN from the second step, a bad route_scale
+    failed inside every worker, an unknown field raised TypeError."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned processes"))
+    for kwargs, words in ((dict(lr=float("inf")), "lr must be a finite number > 0"),
+                          (dict(model={"route_scale": 0.0}), "route_scale must be"),
+                          (dict(model={"rope_theta": -1.0}), "rope_theta must be"),
+                          (dict(model={"bogus": 1}), "model: .*bogus")):
+        with pytest.raises(ValueError, match=words):
+            run_demo(str(tmp_path / "report"), steps=1, device="cpu", progress=False, **kwargs)
+    assert not (tmp_path / "report").exists()
+
+
+def test_the_pipeline_timeline_is_simulated_with_the_measured_split_backward(tmp_path, monkeypatch):
+    """The split backward's measured time ("Bi") was left out: the simulator used B - W in its place."""
+    import smsplit.pipeline as pipeline
+    from smsplit.moe.model import ModelConfig
+    from smsplit.moe.train import _report
+
+    calls = []
+
+    class Sim:
+        def save_png(self, path, title=""):
+            (tmp_path / "sim.txt").write_text(title)
+
+    def simulate(*args, **kwargs):
+        calls.append(kwargs)
+        return Sim()
+
+    monkeypatch.setattr(pipeline, "simulate", simulate)
+    opts = dict(device="cpu", world_size=2, seed=0, ep_backend="reference")
+    op_times = {"F": [1.0], "B": [3.0], "Bi": [2.5], "W": [1.0], "FB": [3.5]}
+    _report(tmp_path, opts, ModelConfig(), [2.0, 1.0], [1.0, 1.0], [0.5, 0.5], op_times, {}, None, 1, 2, 1.0, 2)
+    assert calls and calls[0]["Bi"] == 2.5 and calls[0]["B"] == 3.0 and calls[0]["W"] == 1.0, calls

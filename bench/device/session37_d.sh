@@ -16,3 +16,9 @@ cp bench/results/moe_overlap_1ranks.json $OUT/ 2>/dev/null; true
 # its float32 copy of a 28 GiB gradient) the DeepSeek-V3 shape again, two transports:
 #   timeout -s KILL 100 python3 bench/moe_overlap.py --world 1 --comm-sms 20 --iters 3 \
 #     --transports reference nvlink_copy_engine > $OUT/moe_overlap_world1_e_session37.log 2>&1
+# Last (fourth call, the tree with the MoE review's fixes: the overlapped hook's outputs path backward through autograd
+# to the tape, piece notes on errors): tests/test_moe.py's GPU test, then 64 experts, two transports:
+#   timeout -s KILL 40 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/test_moe.py \
+#     > $OUT/pytest_moe_gpu_f_session37.log 2>&1
+#   timeout -s KILL 90 python3 bench/moe_overlap.py --world 1 --comm-sms 20 --iters 3 --experts 64 \
+#     --transports reference nvlink_copy_engine > $OUT/moe_overlap_world1_e64_f_session37.log 2>&1

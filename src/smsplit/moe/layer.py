@@ -143,8 +143,9 @@ def run_experts(experts: GroupedExperts, recv_x: torch.Tensor, recv_topk_idx: to
     """For each received row, the sum over its local experts ``e`` (``recv_topk_idx >= 0``) of
     ``weight * expert_e(row)``; ``[rows, dim]`` in ``recv_x``'s dtype, zero for rows with no local expert.
 
-    ``counts``: token-expert pairs per local expert as a host list (what `Buffer.dispatch` returns as
-    ``num_recv_tokens_per_expert_list``); with it nothing here waits for the GPU. None counts them (a sync).
+    ``counts``: the exact token-expert pairs per local expert as a host list (what `Buffer.dispatch` returns as
+    ``num_recv_tokens_per_expert_list`` with its default ``expert_alignment=1``: a list rounded up by a larger one
+    gives wrong rows, unchecked); with it nothing here waits for the GPU. None counts them (a sync).
     Pairs are sorted by expert and each expert's group padded with zero rows to a multiple of ``alignment``
     (``torch._grouped_mm`` wants aligned groups on some GPUs)."""
     rows, topk = recv_topk_idx.shape

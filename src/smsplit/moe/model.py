@@ -8,6 +8,8 @@ share one weight. Every stage module's forward is a list of pieces (`pieces()`),
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +40,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        """Reject a model that cannot be built, before any process starts (the router checks its own
-        arguments again: groups, top-k, route_scale)."""
+        """Reject a model that cannot be built or would train on NaN (``rope_theta <= 0``), before any process
+        starts (the router and the layer check their own arguments again)."""
         from smsplit.moe.router import _check_groups
 
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "inter_dim", "seq_len"):
@@ -48,6 +50,14 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of an even size (RoPE)")
+        if isinstance(self.n_shared, bool) or not isinstance(self.n_shared, int) or self.n_shared < 0:
+            raise ValueError(f"n_shared must be an int >= 0, got {self.n_shared!r}")
+        for name in ("route_scale", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.fp8_dispatch, bool):
+            raise ValueError(f"fp8_dispatch must be a bool, got {self.fp8_dispatch!r}")
         if self.fp8_dispatch and self.dim % 128:
             raise ValueError(f"dim={self.dim}: FP8 dispatch quantizes in tiles of 128 values, so dim must be a "
                              f"multiple of 128 (or fp8_dispatch=False)")
@@ -158,9 +168,10 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, ep_rank, ep_size) for _ in self.layer_ids)
         if (first or last) and embedding is None:
             embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
-            with torch.no_grad():
-                gen = torch.Generator().manual_seed(seed or 0)
-                embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=gen) * cfg.dim ** -0.5)
+            if seed is not None:
+                with torch.no_grad():
+                    gen = torch.Generator().manual_seed(seed)
+                    embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=gen) * cfg.dim ** -0.5)
         self.embedding = embedding if first else None
         self.head_weight = embedding.weight if last else None  # tied
         self.norm = RMSNorm(cfg.dim) if last else None

@@ -54,7 +54,18 @@ class PieceRunner:
 
     def run(self, kind: str, name: str, chain, fn: Callable, tensors=()):
         """Run ``fn()`` as piece ``name`` of micro-batch ``chain`` (anything with an ``event`` attribute)
-        after that micro-batch's previous piece. ``tensors``: tensors made elsewhere that ``fn`` reads."""
+        after that micro-batch's previous piece. ``tensors``: tensors made elsewhere that ``fn`` reads.
+
+        An exception out of ``fn`` gets the note ``piece 'name'`` (`piece_of` reads it back): a peer's timeout
+        in a dispatch then says which layer, and whether forward or backward, it was in."""
+        try:
+            return self._run(kind, name, chain, fn, tensors)
+        except Exception as error:
+            if piece_of(error) is None:  # (the innermost piece names it)
+                error.add_note(f"{_PIECE_NOTE}{name!r}")
+            raise
+
+    def _run(self, kind: str, name: str, chain, fn: Callable, tensors):
         stream = self.streams[kind]
         if stream is None:
             start = time.perf_counter()
@@ -116,6 +127,14 @@ class PieceRunner:
         exposed = _measure(comm) - _measure(_intersect(comm, compute))
         return dict(step_s=step, comm_s=_measure(comm), compute_s=_measure(compute), exposed_comm_s=exposed,
                     exposed_fraction=exposed / step if step > 0 else 0.0)
+
+
+_PIECE_NOTE = "piece "
+
+
+def piece_of(error: BaseException) -> str | None:
+    """The note ``piece 'name'`` that `PieceRunner.run` added to ``error``, or None."""
+    return next((n for n in getattr(error, "__notes__", ()) if n.startswith(_PIECE_NOTE)), None)
 
 
 def _event():
@@ -391,15 +410,13 @@ def overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, 
     runner = runner or getattr(module0, "runner", None) or INLINE
     b_tape = None
     if loss1 is not None:
-        b_tape = tape_of(loss1)
-        b_tape.intercept = True  # the backward stops at the module output and leaves its gradient on the tape
-        loss1.backward()
+        b_tape = _backward_to_tape([loss1], None)
         loss1.detach_()
-    elif outputs1 is not None and len(outputs1):
+    elif outputs1 is not None:
         outputs1 = [outputs1] if isinstance(outputs1, torch.Tensor) else list(outputs1)
-        b_tape = tape_of(outputs1[0])
-        grad = output_grads1[0] if isinstance(output_grads1, (list, tuple)) else output_grads1
-        b_tape.add_grad(b_tape.output, grad)
+        grads = list(output_grads1) if isinstance(output_grads1, (list, tuple)) else [output_grads1]
+        if outputs1:
+            b_tape = _backward_to_tape(outputs1, grads)
     inputs0 = (inputs0,) if isinstance(inputs0, torch.Tensor) else tuple(inputs0)
     f_tape, (output0,) = interleave(runner, module0.pieces(), inputs0, b_tape)
     if b_tape is not None:
@@ -412,6 +429,19 @@ def overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, 
         labels0 = [labels0] if isinstance(labels0, torch.Tensor) else list(labels0 or [])
         loss0 = criterion0(output0, *labels0)
     return (output0,), loss0
+
+
+def _backward_to_tape(tensors: list, grads) -> Tape:
+    """Backward from ``tensors`` (with ``grads``) down to the output of the taped forward they come from, through
+    whatever the module or the loss did to that output; the gradient stays on the tape, whose pieces' backward is
+    left to the caller. Returns the tape."""
+    tape = tape_of(tensors[0])
+    tape.intercept = True
+    try:
+        torch.autograd.backward(tensors, grads)
+    finally:
+        tape.intercept = False
+    return tape
 
 
 def serial_forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1,

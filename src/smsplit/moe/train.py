@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import time
 from dataclasses import asdict
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from smsplit.moe.model import ModelConfig, build_stages
-from smsplit.moe.overlap import COMM, PieceRunner
+from smsplit.moe.overlap import COMM, PieceRunner, piece_of
 from smsplit.moe.router import update_biases
 from smsplit.timeouts import timeout_problem
 
@@ -122,6 +123,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
     trace_state = {"want": False, "trace": None, "intervals": None}
 
     def op_hook(op, when):
+        timing["op"] = str(op) if when == "start" else None  # (named by errors out of the op)
         if when == "start":
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -161,7 +163,9 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         trace_state["want"] = step == opts["steps"] - 1
         timing["step"] = step
         t0 = time.perf_counter()
-        loss, _ = pipe.step(inputs, num_chunks=chunks, criterion=criterion, labels=(labels,))
+        with _phase(rank, lambda: f"step {step}: " + (f"pipeline op {timing['op']}" if timing.get("op")
+                                                         else "pipeline step")):
+            loss, _ = pipe.step(inputs, num_chunks=chunks, criterion=criterion, labels=(labels,))
         step_loss = loss.sum().detach() if loss is not None else torch.zeros((), device=device)
         if ep > 1:
             with _phase(rank, f"step {step}: summing the replicated gradients and the loss over the EP group"):
@@ -194,12 +198,16 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
 
 
 @contextlib.contextmanager
-def _phase(rank: int, what: str):
-    """A collective's failure (gloo raises one after the group's timeout) re-raised naming the rank and ``what``."""
+def _phase(rank: int, what):
+    """A failure of communication (gloo's after the group's timeout, the EP buffer's `EPTimeoutError`) re-raised
+    as a RuntimeError naming the rank, ``what`` (a string, or a function giving one when the error comes) and the
+    overlapped piece it came out of, if any."""
     try:
         yield
-    except RuntimeError as error:
-        raise RuntimeError(f"rank {rank}: {what}: {error}") from error
+    except (RuntimeError, TimeoutError) as error:
+        where = what() if callable(what) else what
+        piece = piece_of(error)
+        raise RuntimeError(f"rank {rank}: {where}{', ' + piece if piece else ''}: {error}") from error
 
 
 def _all_reduce_grads(params, group) -> None:
@@ -259,11 +267,13 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
     mean = {k: sum(v) / len(v) for k, v in op_times.items() if v}
     f, fb = mean.get("F", 0.0), mean.get("FB", 0.0)
     b = mean.get("B", 0.0) or (mean.get("Bi", 0.0) + mean.get("W", 0.0))
-    w = mean.get("W", 0.0)
-    sim = simulate("dualpipev", pp, chunks, F=f, B=max(b, w), W=w, FB=fb or None)
+    w, bi = mean.get("W", 0.0), mean.get("Bi")
+    sim = simulate("dualpipev", pp, chunks, F=f, B=max(b, w), W=w, FB=fb or None, Bi=bi)
     sim.save_png(str(out / "pipeline_timeline.png"),
                  title=f"DualPipeV, {pp} pipeline rank(s), {chunks} chunks, measured op times\n"
-                       f"F {1e3 * f:.1f} ms, B {1e3 * b:.1f} ms, W {1e3 * w:.1f} ms, F&B {1e3 * fb:.1f} ms")
+                       f"F {1e3 * f:.1f} ms, B {1e3 * b:.1f} ms"
+                       + (f" (split {1e3 * bi:.1f} ms)" if bi is not None else "")
+                       + f", W {1e3 * w:.1f} ms, F&B {1e3 * fb:.1f} ms")
 
     pieces = (trace_state.get("intervals") or {}).get("pieces", [])
     if pieces:
@@ -319,7 +329,7 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         out_dir: the report folder (loss curve, pipeline timeline, summary.json); made if missing.
         steps: training steps (>= 1).
         seed: seed of the model's initialization and of the synthetic data, an int in [0, 2**32).
-        lr: AdamW learning rate.
+        lr: AdamW learning rate, a finite number > 0.
         comm_sms: SMs asked for communication on each GPU (`SmBudget`: green contexts, else grid mode); fewer
             than the GPU's SMs, checked before any process starts; unused on CPU.
         progress: show rank 0's progress bar (or its periodic lines when the output is not a terminal).
@@ -340,8 +350,8 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if problem := timeout_problem(timeout_s):
         raise ValueError(f"timeout_s: {problem}")
-    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -362,7 +372,10 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
                 # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they
                 # do not move (fp32 gradients) take the reference transport inside the same Buffer
                 ep_backend="nvlink" if device == "cuda" else "reference")
-    cfg = ModelConfig(**opts["model"])  # reject bad overrides, and a model this layout cannot build, before spawning
+    try:  # reject bad overrides, and a model this layout cannot build, before spawning
+        cfg = ModelConfig(**opts["model"])
+    except TypeError as e:  # a field ModelConfig does not have
+        raise ValueError(f"model: {e}") from e
     if cfg.n_experts % (world_size // pp):
         raise ValueError(f"n_experts={cfg.n_experts} must divide evenly over the {world_size // pp} EP ranks "
                          f"(world_size={world_size} / pp={pp})")
