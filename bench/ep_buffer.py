@@ -11,7 +11,8 @@ two CUDA events, divided: the host may run ahead of the GPU). Then a host profil
 dispatch + combine through the Buffer, printed for the ranks in ``--profile-ranks``: the functions with the most own time.
 
     PYTHONPATH=src python3 bench/ep_buffer.py --backends nvlink nvlink_copy_engine copy_engine --comm-sms 20
-Writes bench/results/ep_buffer.json.
+Writes bench/results/ep_buffer.json. Each row's Buffer is also checked (``roundtrip_equal``: fresh tokens dispatched
+and combined back, BF16 and FP8); the script exits non-zero when one does not come back, after writing its times.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 from pathlib import Path
@@ -27,8 +29,31 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_shape_arguments, end_worker, join_nccl, max_over_ranks, routed_tokens,  # noqa: E402
-                    run_and_write, time_ms)
+from common import (add_shape_arguments, end_worker, join_nccl, max_difference, max_over_ranks,  # noqa: E402
+                    routed_tokens, run_and_write, time_ms)
+
+
+def roundtrip(buf, handle, in_rank, g, shape, dev) -> dict:
+    """Fresh random tokens of ``shape`` (rows the timed calls left behind cannot pass) dispatched through ``buf`` with
+    the cached ``handle`` and combined back unchanged: each token must come back times the number of ranks it went
+    to, BF16 exactly; FP8 (quantized in the dispatch, dequantized on receive) within e4m3's rounding of the token.
+    Returns ``{"bf16": bool, "fp8": bool, "fp8_max_rel_diff": float}`` (every rank's worst; a collective)."""
+    from smsplit.fp8 import quantize_1x128
+
+    x = torch.randn(shape, generator=g).to(dev, torch.bfloat16)
+    times = in_rank.sum(1, keepdim=True).float()
+    recv, *_ = buf.dispatch(x, handle=handle)
+    out, *_ = buf.combine(recv, handle)
+    bf16_bad = float(not torch.equal(out, (x.float() * times).to(torch.bfloat16)))
+    q, s = quantize_1x128(x)
+    deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x)
+    recv, *_ = buf.dispatch(x, handle=handle, fp8=True, dequantize=True)
+    out, *_ = buf.combine(recv, handle)
+    fp8_rel = max_difference(out, deq * times)[1]
+    worst = torch.tensor([bf16_bad, fp8_rel], dtype=torch.float64, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    bf16_bad, fp8_rel = worst.tolist()
+    return {"bf16": bf16_bad == 0, "fp8": fp8_rel <= 1e-2, "fp8_max_rel_diff": fp8_rel}
 
 
 def worker(rank, world, port, args, queue):
@@ -82,6 +107,7 @@ def worker(rank, world, port, args, queue):
                     row["transport_dispatch_bf16_cached_queued_ms"] = timed(transport_bf16, args.queued)
                     transport_bf16()
                     row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay), args.queued)
+            row["roundtrip_equal"] = roundtrip(buf, handle, in_rank_b, g, x.shape, dev)
             torch.cuda.synchronize()
             dist.barrier(device_ids=[rank])
             profiler = cProfile.Profile()
@@ -97,7 +123,8 @@ def worker(rank, world, port, args, queue):
             rows.append(row)
             if rank == 0:
                 print(f"{backend} P={P}: " + ", ".join(f"{k[:-3]} {v * 1e3:.1f} us" for k, v in row.items()
-                                                      if k.endswith("_ms")), flush=True)
+                                                      if k.endswith("_ms"))
+                      + f"; round trip equal: {row['roundtrip_equal']}", flush=True)
             for r in args.profile_ranks:  # one rank at a time, so that the printed profiles do not interleave
                 if r == rank:
                     print(f"host profile, {args.profile_calls} cached BF16 dispatches + combines through the Buffer "
@@ -122,9 +149,15 @@ def main():
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks whose host profile is printed")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
-    run_and_write("ep_buffer", worker, parser.parse_args(),
-                  notes="one eager call between two CUDA events after a barrier, median of reps per rank, max over ranks; "
-                         "*_queued_ms: --queued calls back to back between two events, divided")
+    path = run_and_write("ep_buffer", worker, parser.parse_args(),
+                         notes="one eager call between two CUDA events after a barrier, median of reps per rank, max "
+                               "over ranks; *_queued_ms: --queued calls back to back between two events, divided; "
+                               "roundtrip_equal: fresh tokens dispatched and combined back through the Buffer")
+    rows = json.loads(path.read_text())["rows"]
+    unequal = [f"{r['backend']} P={r['comm_sms']}: {case}" for r in rows for case in ("bf16", "fp8")
+               if not r["roundtrip_equal"][case]]
+    if unequal:
+        sys.exit(f"round trips that did not return their tokens: {'; '.join(unequal)} (times recorded in {path})")
 
 
 if __name__ == "__main__":

@@ -273,3 +273,40 @@ def test_max_difference_over_several_pieces_is_that_of_the_whole():
     assert common.max_difference(got, want) == pytest.approx((0.75, 0.75 / want.abs().max().item()), rel=1e-6)
     got[-1] = math.nan
     assert common.max_difference(got, want) == (math.inf, math.inf)
+
+
+def _ep_buffer_roundtrip(rank, world, fault):
+    """bench/ep_buffer.py's `roundtrip` on a reference Buffer of a gloo group; ``fault`` breaks its combine."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import ep_buffer
+    from common import routed_tokens
+
+    from smsplit.ep import Buffer
+
+    x, topk, weights, _, g = routed_tokens(rank, world, "cpu", tokens=64, hidden=256, experts=8, topk=3)
+    buf = Buffer(dist.group.WORLD, 0, timeout_s=60)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, 8)
+    *_, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights)
+    if fault:
+        combine = buf.combine
+
+        def broken(y, h, **kw):
+            out, *rest = combine(y, h, **kw)
+            return (out.roll(1, 0) if fault == "rows" else out * 1.05, *rest)
+        buf.combine = broken
+    return ep_buffer.roundtrip(buf, handle, in_rank, g, x.shape, "cpu")
+
+
+@pytest.mark.parametrize("fault", [None, "rows", "scale"])
+def test_ep_buffer_roundtrip_passes_a_buffer_and_fails_a_broken_combine(fault):
+    from smsplit.ep.testing import gloo_pool
+
+    results = gloo_pool(2).run(_ep_buffer_roundtrip, fault)
+    assert results[0] == results[1]  # every rank reports every rank's worst
+    if fault is None:
+        assert results[0]["bf16"] and results[0]["fp8"] and results[0]["fp8_max_rel_diff"] < 1e-2
+    else:
+        assert not results[0]["bf16"] and not results[0]["fp8"]
