@@ -256,6 +256,31 @@ def max_difference(got, want, scale: float = 1.0) -> tuple[float, float]:
     return diff, diff / largest if largest > 0 else (0.0 if diff == 0 else math.inf)
 
 
+def poison(tensors) -> None:
+    """Fill each floating-point tensor of ``tensors`` (None skipped) with NaN, so that memory the allocator hands
+    out once they are dropped holds NaN, not their values: a later step that fails to write a result cannot pass
+    a check."""
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            t.detach().fill_(math.nan)
+
+
+def poison_grads(params) -> None:
+    """`poison` every gradient of ``params`` and drop it."""
+    for p in params:
+        poison([p.grad])
+        p.grad = None
+
+
+def exit_if_roundtrips_failed(rows: list, path, label: str) -> None:
+    """Exit naming them when a row's ``roundtrip_equal`` holds a False (``label``: the row's field naming its
+    transport), after its times were written to ``path``."""
+    bad = [f"{row[label]} P={row['comm_sms']}: {case}" for row in rows
+           for case, ok in row["roundtrip_equal"].items() if ok is False]
+    if bad:
+        sys.exit(f"round trips that did not return their tokens: {'; '.join(bad)} (times recorded in {path})")
+
+
 def _json_safe(value):
     """``value`` with every NaN or infinite float (a time that was not measured) as None: strict JSON."""
     if isinstance(value, dict):

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_shape_arguments, capture_graph, end_worker, environment, interleaved_rounds,  # noqa: E402
-                    join_nccl, max_over_ranks, routed_tokens, run_ranks, time_ms, write_result)
+from common import (add_shape_arguments, capture_graph, end_worker, environment,  # noqa: E402
+                    exit_if_roundtrips_failed, interleaved_rounds, join_nccl, max_over_ranks, routed_tokens, run_ranks,
+                    time_ms, write_result)
 from start_together import StartTogether  # noqa: E402
 from tables import add_ep_rates  # noqa: E402
 
@@ -58,7 +59,7 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
     return for any order of the received rows. Each case draws fresh random tokens of ``x``'s shape (same routing):
     the combine's output is a new tensor that cannot be poisoned, and memory freed by an earlier case (its expected
     result) must not hold this case's expected result."""
-    from smsplit.fp8 import quantize_1x128
+    from smsplit.fp8 import dequantize_1x128, quantize_1x128
 
     times = in_rank.sum(1, keepdim=True).float()
     g = torch.Generator(device=x.device)
@@ -67,8 +68,7 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
     for name, quantize in (("bf16", False), ("fp8", True), ("fp8_input", False)):
         x = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
         q, s = quantize_1x128(x)
-        deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x).to(torch.bfloat16)
-        source = x if name == "bf16" else deq
+        source = x if name == "bf16" else dequantize_1x128(q, s)
         tr.buffer[tr.offsets["x" if "x" in tr.offsets else "sx"]:].fill_(0x7F)  # (copy_engine: from its staging)
         torch.cuda.synchronize()
         dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
@@ -76,7 +76,7 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
         rx, rs, *_, lay = tr.dispatch(*((q, s) if name == "fp8_input" else (x, None)), topk, weights, in_rank,
                                       num_local, quantize=quantize, num_worst_tokens=worst, cached=cached)
         if rs is not None:
-            rx = (rx.float().view(rx.size(0), -1, 128) * rs[:, :, None]).view(rx.size(0), -1).to(torch.bfloat16)
+            rx = dequantize_1x128(rx, rs)
         out, _ = tr.combine(rx.contiguous(), None, lay)
         torch.cuda.synchronize()
         tr.raise_if_failed()
@@ -564,10 +564,7 @@ def main():
                            "notes": NOTES})
     path = write_result(args.name, result)
     print(f"wrote {path}")
-    unequal = [f"{row['transport']} P={row['comm_sms']}: {case}" for row in res["rows"] + res["graph_rows"]
-               for case, ok in row["roundtrip_equal"].items() if not ok]
-    if unequal:
-        sys.exit(f"round trips that did not return their tokens: {'; '.join(unequal)} (times recorded in {path})")
+    exit_if_roundtrips_failed(res["rows"] + res["graph_rows"], path, "transport")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_shape_arguments, end_worker, join_nccl, max_difference, max_over_ranks,  # noqa: E402
-                    routed_tokens, run_and_write, time_ms)
+from common import (add_shape_arguments, end_worker, exit_if_roundtrips_failed, join_nccl,  # noqa: E402
+                    max_difference, max_over_ranks, routed_tokens, run_and_write, time_ms)
 
 
 def roundtrip(buf, handle, in_rank, g, shape, dev) -> dict:
@@ -38,15 +38,14 @@ def roundtrip(buf, handle, in_rank, g, shape, dev) -> dict:
     the cached ``handle`` and combined back unchanged: each token must come back times the number of ranks it went
     to, BF16 exactly; FP8 (quantized in the dispatch, dequantized on receive) within e4m3's rounding of the token.
     Returns ``{"bf16": bool, "fp8": bool, "fp8_max_rel_diff": float}`` (every rank's worst; a collective)."""
-    from smsplit.fp8 import quantize_1x128
+    from smsplit.fp8 import dequantize_1x128, quantize_1x128
 
     x = torch.randn(shape, generator=g).to(dev, torch.bfloat16)
     times = in_rank.sum(1, keepdim=True).float()
     recv, *_ = buf.dispatch(x, handle=handle)
     out, *_ = buf.combine(recv, handle)
     bf16_bad = float(not torch.equal(out, (x.float() * times).to(torch.bfloat16)))
-    q, s = quantize_1x128(x)
-    deq = (q.float().view(x.size(0), -1, 128) * s[:, :, None]).view_as(x)
+    deq = dequantize_1x128(*quantize_1x128(x), dtype=torch.float32)
     recv, *_ = buf.dispatch(x, handle=handle, fp8=True, dequantize=True)
     out, *_ = buf.combine(recv, handle)
     fp8_rel = max_difference(out, deq * times)[1]
@@ -153,11 +152,7 @@ def main():
                          notes="one eager call between two CUDA events after a barrier, median of reps per rank, max "
                                "over ranks; *_queued_ms: --queued calls back to back between two events, divided; "
                                "roundtrip_equal: fresh tokens dispatched and combined back through the Buffer")
-    rows = json.loads(path.read_text())["rows"]
-    unequal = [f"{r['backend']} P={r['comm_sms']}: {case}" for r in rows for case in ("bf16", "fp8")
-               if not r["roundtrip_equal"][case]]
-    if unequal:
-        sys.exit(f"round trips that did not return their tokens: {'; '.join(unequal)} (times recorded in {path})")
+    exit_if_roundtrips_failed(json.loads(path.read_text())["rows"], path, "backend")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIGURES, environment, max_difference, write_result  # noqa: E402
+from common import FIGURES, environment, max_difference, poison, poison_grads, write_result  # noqa: E402
 
 from smsplit.ep.testing import free_port  # noqa: E402
 from smsplit.moe.layer import GROUPED_MM_PATH  # noqa: E402
@@ -108,8 +108,7 @@ class Case:
         B's input gradient and every parameter's gradient (``"gradient of <name>"``, None where none); the
         originals are poisoned and dropped (see `_taken`)."""
         x_a, x_b, grad = inputs
-        _poison(p.grad for p in self.block.parameters())
-        self.block.zero_grad(set_to_none=True)
+        poison_grads(self.block.parameters())
         x_b = x_b.detach().requires_grad_()
         y_b = self.block(x_b)
         (y_a,), _ = fb(self.block, [x_a.detach().requires_grad_()], None, [], self.block, None, [y_b], [grad],
@@ -127,19 +126,10 @@ class Case:
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _poison(tensors) -> None:
-    """Fill each floating-point tensor of ``tensors`` (None skipped) with NaN, so that memory the allocator hands
-    out once they are dropped holds NaN, not their values: a later step that fails to write a result cannot pass
-    a check."""
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            t.detach().fill_(math.nan)
-
-
 def _taken(tensors: dict) -> dict:
-    """Copies of ``tensors`` (None stays None); the originals are poisoned (`_poison`)."""
+    """Copies of ``tensors`` (None stays None); the originals are poisoned (`common.poison`)."""
     copies = {k: None if t is None else t.detach().clone() for k, t in tensors.items()}
-    _poison(tensors.values())
+    poison(tensors.values())
     return copies
 
 

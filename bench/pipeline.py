@@ -29,7 +29,6 @@ Writes bench/results/pipeline.json and bench/figures/pipeline_{measured,simulate
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import statistics
@@ -50,7 +49,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from common import FIGURES, call_times_ms, environment, max_difference, write_result  # noqa: E402
+from common import FIGURES, call_times_ms, environment, max_difference, poison_grads, write_result  # noqa: E402
 
 from smsplit.pipeline import (  # noqa: E402
     DualPipe,
@@ -109,15 +108,6 @@ def loss_fn(out, target):
 # Largest accepted max |difference| / max |reference| of a checked tensor: float32 (CPU) schedules differ from
 # the reference only in the order of sums; bf16 gradients also round each micro-batch's sum (8 by default).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def poison_grads(params) -> None:
-    """Fill every gradient of ``params`` with NaN and drop it: memory that a later step gets back from the
-    allocator holds NaN, not this gradient, so a gradient the step fails to write cannot pass a check."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.detach().fill_(math.nan)
-            p.grad = None
 
 
 def stage_params(stage_ids, module, blocks_per_stage: int):

@@ -76,30 +76,38 @@ def spread(values) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
+def concurrent_fields(gemm_alone_ms: float, gemm_conc: list, copy_alone_ms: float, copy_conc: list, windows: list,
+                      n: int, nbytes: int) -> dict:
+    """A cell's alone and concurrent figures: the GEMM (``n``^3) and the copy (``nbytes``) alone, the medians of the
+    concurrent samples (None where no GEMM ran inside the copies, or no copy inside the GEMMs), the sample counts,
+    the concurrent runs' ``windows`` and the kept ratios (concurrent rate over alone rate)."""
+    row = {
+        "gemm_alone_ms": gemm_alone_ms,
+        "gemm_alone_tflops": gemm_tflops(gemm_alone_ms, n),
+        "gemm_concurrent_ms": statistics.median(gemm_conc) if gemm_conc else None,
+        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n) if gemm_conc else None,
+        "gemm_concurrent_samples": len(gemm_conc),
+        "copy_alone_ms": copy_alone_ms,
+        "copy_alone_gbps": copy_gbps(copy_alone_ms, nbytes),
+        "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
+        "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
+        "copy_concurrent_samples": len(copy_conc),
+        "windows": windows,
+    }
+    row["gemm_kept"] = (row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]) if gemm_conc else None
+    row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+    return row
+
+
 def interleaved_row(rounds: list[dict], n: int, nbytes: int) -> dict:
     """The row fields of one cell measured by ``interleaved_rounds``: the existing fields (alone:
     median of the rounds' alone medians; concurrent: median of every round's samples pooled; kept:
     their ratio) and the per-round fields (``*_kept_rounds`` and their median/min/max, medians of the
     rounds' absolute figures, and the rounds themselves)."""
-    gemm_conc = [t for r in rounds for t in r["_samples"][0]]
-    copy_conc = [t for r in rounds for t in r["_samples"][1]]
-    gemm_alone = statistics.median(r["gemm_alone_ms"] for r in rounds)
-    copy_alone = statistics.median(r["copy_alone_ms"] for r in rounds)
-    row = {
-        "gemm_alone_ms": gemm_alone,
-        "gemm_alone_tflops": gemm_tflops(gemm_alone, n),
-        "gemm_concurrent_ms": statistics.median(gemm_conc) if gemm_conc else None,  # (no GEMM inside the copies)
-        "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n) if gemm_conc else None,
-        "gemm_concurrent_samples": len(gemm_conc),
-        "copy_alone_ms": copy_alone,
-        "copy_alone_gbps": copy_gbps(copy_alone, nbytes),
-        "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
-        "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
-        "copy_concurrent_samples": len(copy_conc),
-        "windows": [r["window"] for r in rounds],
-    }
-    row["gemm_kept"] = (row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]) if gemm_conc else None
-    row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+    row = concurrent_fields(statistics.median(r["gemm_alone_ms"] for r in rounds),
+                            [t for r in rounds for t in r["_samples"][0]],
+                            statistics.median(r["copy_alone_ms"] for r in rounds),
+                            [t for r in rounds for t in r["_samples"][1]], [r["window"] for r in rounds], n, nbytes)
     row["interleave_rounds"] = len(rounds)
     for side in ("gemm", "copy"):
         kept = [r[f"{side}_kept"] for r in rounds]
@@ -281,23 +289,8 @@ def main():
                             gemm_conc += g
                             copy_conc += c
                             windows.append(w)
-                        windows = {"windows": windows}
-                        row = {
-                            **head,
-                            "gemm_alone_ms": gemm_alone["median_ms"],
-                            "gemm_alone_tflops": gemm_tflops(gemm_alone["median_ms"], n),
-                            "gemm_concurrent_ms": statistics.median(gemm_conc) if gemm_conc else None,
-                            "gemm_concurrent_tflops": gemm_tflops(statistics.median(gemm_conc), n) if gemm_conc else None,
-                            "gemm_concurrent_samples": len(gemm_conc),
-                            "copy_alone_ms": copy_alone["median_ms"],
-                            "copy_alone_gbps": copy_gbps(copy_alone["median_ms"], nbytes),
-                            "copy_concurrent_ms": statistics.median(copy_conc) if copy_conc else None,
-                            "copy_concurrent_gbps": copy_gbps(statistics.median(copy_conc), nbytes) if copy_conc else None,
-                            "copy_concurrent_samples": len(copy_conc),
-                            **windows,
-                        }
-                        row["gemm_kept"] = (row["gemm_concurrent_tflops"] / row["gemm_alone_tflops"]) if gemm_conc else None
-                        row["copy_kept"] = (row["copy_concurrent_gbps"] / row["copy_alone_gbps"]) if copy_conc else None
+                        row = {**head, **concurrent_fields(gemm_alone["median_ms"], gemm_conc, copy_alone["median_ms"],
+                                                           copy_conc, windows, n, nbytes)}
                     if comm_sms == args.trace_at and not evict_first:
                         FIGURES.mkdir(parents=True, exist_ok=True)
                         fig = f"sm_split_{mode}_{comm_sms}" if method == "ldst" else f"sm_split_{method}_{mode}_{comm_sms}"

@@ -310,3 +310,27 @@ def test_ep_buffer_roundtrip_passes_a_buffer_and_fails_a_broken_combine(fault):
         assert results[0]["bf16"] and results[0]["fp8"] and results[0]["fp8_max_rel_diff"] < 1e-2
     else:
         assert not results[0]["bf16"] and not results[0]["fp8"]
+
+
+def test_exit_if_roundtrips_failed_names_every_false_case_only():
+    common = pytest.importorskip("common")
+    rows = [{"backend": "nvlink", "comm_sms": 20, "roundtrip_equal": {"bf16": True, "fp8": True, "fp8_max_rel_diff": 0.0}},
+            {"backend": "copy_engine", "comm_sms": 24,
+             "roundtrip_equal": {"bf16": False, "fp8": True, "fp8_max_rel_diff": 0.5}}]
+    common.exit_if_roundtrips_failed(rows[:1], "r.json", "backend")  # all equal (a 0.0 float is no failure)
+    with pytest.raises(SystemExit) as e:
+        common.exit_if_roundtrips_failed(rows, "r.json", "backend")
+    assert str(e.value) == "round trips that did not return their tokens: copy_engine P=24: bf16 (times recorded in r.json)"
+
+
+def test_sm_split_concurrent_fields_keep_ratios_and_missing_samples():
+    sm_split = pytest.importorskip("sm_split")
+    n, nbytes = 1000, 10 ** 6
+    row = sm_split.concurrent_fields(2.0, [2.6, 2.5, 2.4], 1.0, [1.25], ["w"], n, nbytes)
+    assert row["gemm_concurrent_ms"] == 2.5 and row["gemm_concurrent_samples"] == 3
+    assert row["gemm_alone_tflops"] == pytest.approx(2 * n ** 3 / 2.0e-3 / 1e12)
+    assert row["gemm_kept"] == pytest.approx(2.0 / 2.5) and row["copy_kept"] == pytest.approx(1.0 / 1.25)
+    assert row["windows"] == ["w"]
+    none = sm_split.concurrent_fields(2.0, [], 1.0, [], [], n, nbytes)
+    assert none["gemm_concurrent_ms"] is none["gemm_kept"] is none["copy_concurrent_gbps"] is none["copy_kept"] is None
+    assert none["gemm_concurrent_samples"] == none["copy_concurrent_samples"] == 0
