@@ -1,0 +1,77 @@
+"""The scripts under examples/ run as their docstrings say and their own checks pass (and can fail)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(name: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def ok_ranks(stdout: str) -> set:
+    return {int(m.group(1)) for m in re.finditer(r"^rank (\d+)/\d+\b.* OK$", stdout, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("ranks, extra", [(2, ()), (4, ("--experts", "16", "--topk", "9"))])
+def test_ep_moe_layer_matches_the_dense_layer_on_gloo(ranks, extra):
+    done = run_example("ep_moe_layer.py", "--ranks", str(ranks), *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ok_ranks(done.stdout) == set(range(ranks)), done.stdout
+
+
+def test_ep_moe_layer_reports_a_mismatch():
+    # FP8 on the wire differs from the dense layer by more than 1e-6: the script's check must say so and fail
+    done = run_example("ep_moe_layer.py", "--tolerance", "1e-6")
+    assert done.returncode != 0
+    assert "MISMATCH" in done.stdout and not ok_ranks(done.stdout), done.stdout
+
+
+def test_ep_moe_layer_refuses_a_device_backend_on_the_cpu():
+    done = run_example("ep_moe_layer.py", "--backend", "nvlink")
+    assert done.returncode == 2 and "--backend nvlink needs --device cuda" in done.stderr
+
+
+@pytest.mark.parametrize("ranks, extra", [(2, ()), (3, ("--chunks", "12", "--batch", "36", "--steps", "2"))])
+def test_dualpipev_example_matches_the_unpipelined_model(ranks, extra):
+    done = run_example("dualpipev.py", "--ranks", str(ranks), *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ok_ranks(done.stdout) == set(range(ranks)), done.stdout
+    losses = re.findall(r"loss ([\d.]+) \(without the pipeline ([\d.]+)\)", done.stdout)
+    assert losses and all(a == b for a, b in losses), done.stdout
+
+
+def test_dualpipev_example_reports_a_mismatch():
+    # the exit path of the script's check: no difference is within a negative tolerance
+    done = run_example("dualpipev.py", "--steps", "1", "--tolerance", "-1")
+    assert done.returncode != 0
+    assert "MISMATCH" in done.stdout and not ok_ranks(done.stdout), done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["reference", "nvlink", "nvlink_copy_engine", "copy_engine"])
+def test_ep_moe_layer_on_gpus(backend):
+    ranks = min(torch.cuda.device_count(), 2)
+    done = run_example("ep_moe_layer.py", "--device", "cuda", "--ranks", str(ranks), "--backend", backend)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ok_ranks(done.stdout) == set(range(ranks)), done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dualpipev_example_on_gpus():
+    ranks = min(torch.cuda.device_count(), 2)
+    done = run_example("dualpipev.py", "--device", "cuda", "--ranks", str(ranks))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ok_ranks(done.stdout) == set(range(ranks)), done.stdout
