@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from smsplit import ptx
 from smsplit.ep import nvlink
+from smsplit.ep import transport as nvlink_transport
 from smsplit.ep.testing import free_port, misaligned_copy
 from smsplit.fp8 import quantize_1x128
 
@@ -240,10 +241,18 @@ def received_order(in_ranks, rank, share):
 
 
 def _worker(rank, world, port, cases, kind="nvlink"):
-    """Dispatch/combine rounds of the `kind` transport ("nvlink" or "copy_engine") against the oracle."""
+    """Dispatch/combine rounds of the `kind` transport ("nvlink", "nvlink_copy_engine" or "copy_engine") against
+    the oracle, one rank per GPU."""
     dev = _init_nccl(rank, world, port)
-    group = dist.group.WORLD
-    H, E, max_tokens = 2048, 32, 512
+    _transport_rounds(rank, world, dist.group.WORLD, dev, cases, kind, torch.cuda.synchronize)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
+
+
+def _transport_rounds(rank, world, group, dev, cases, kind, synchronize, peer_timeout=True):
+    """`_worker`'s rounds on ``group``; ``synchronize()`` waits for this rank's GPU work. Then, with
+    ``peer_timeout``, a peer that never arrives: the other ranks skip a dispatch, rank 0 must raise naming one."""
+    H, E, max_tokens = 2048, 32 // world * world, 512  # (32 experts for 2, 4 and 8 ranks)
     if kind in ("nvlink", "nvlink_copy_engine"):
         transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
                                            timeout_s=20, bulk="sm" if kind == "nvlink" else "copy_engine")
@@ -284,14 +293,15 @@ def _worker(rank, world, port, cases, kind="nvlink"):
             # a dispatch's copied prefix: none, all (BF16 and FP8, top-8/9: a few holes) or some
             transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
             # FP8 quantized in the dispatch (cases 3 and 5): pushed onto the copy plan's rows, then staged
-            transport.quantized_rows_by = ("sm", "copy_engine")[case // 5 % 2]
+            # (staged FP8 needs 2 ranks at most)
+            transport.quantized_rows_by = ("sm", "copy_engine")[case // 5 % 2] if world <= 2 else "sm"
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         x_in, scales_in = quantize_1x128(xs[rank]) if quantize == "input" else (xs[rank], None)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
             x_in, scales_in, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize is True,
             num_worst_tokens=worst)
-        torch.cuda.synchronize()
+        synchronize()
         transport.raise_if_failed()
         if kind == "nvlink_copy_engine":  # one copy per peer of the first rows of x (or of the staged rows: FP8)
             split = layout.splits[("dispatch", transport.copy_share)]
@@ -321,29 +331,27 @@ def _worker(rank, world, port, cases, kind="nvlink"):
         yw = torch.zeros(rx.size(0), K, device=dev)
         yw[:n] = ew * (rank + 1)
         out, out_w = transport.combine(y, yw, layout)
-        torch.cuda.synchronize()
+        synchronize()
         transport.raise_if_failed()
         acc_w = torch.zeros(T_all[rank], K, device=dev)
         for d in range(world):
             acc_w[in_ranks[rank][:, d]] += ws[rank][in_ranks[rank][:, d]] * (d + 1)
         assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank])), f"case {case}: combine differs"
         torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
-    # a peer that never arrives: rank 1 skips the dispatch, rank 0 must raise, naming rank 1
+    # a peer that never arrives: the other ranks skip the dispatch, rank 0 must raise, naming one of them
     transport.timeout_ns = int(2e9)
-    if rank == 0:
+    if rank == 0 and peer_timeout:
         x = torch.randn(layout.num_tokens, H, device=dev, dtype=torch.bfloat16)
         in_rank = torch.ones(layout.num_tokens, world, dtype=torch.bool, device=dev)
         try:  # the copy-engine transport's layout is a collective: reuse the last one
             transport.dispatch(x, None, None, None, in_rank, num_local,
                                cached=layout if kind == "copy_engine" else None)
-            torch.cuda.synchronize()
+            synchronize()
             transport.raise_if_failed()
         except nvlink.EPTimeoutError as e:
-            assert e.peer == 1 and ("notify" in e.phase or "enter the dispatch" in e.phase), str(e)
+            assert 0 < e.peer < world and ("notify" in e.phase or "enter the dispatch" in e.phase), str(e)
         else:
             raise AssertionError("no timeout raised")
-    dist.barrier(device_ids=[rank])
-    dist.destroy_process_group()
 
 
 COMBINE_CHUNKS = [(0.4, 0.7, 0.9, 1.0), (1.0,), (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)]
@@ -376,6 +384,74 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed, or staged and copied)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
+
+
+def _exchange_twice(rank, world, group):
+    return group.exchange(rank * 10), group.exchange(f"r{rank}"), dist.barrier is not _REAL_BARRIER
+
+
+_REAL_BARRIER = dist.barrier
+
+
+def test_virtual_ranks_exchange_in_call_order_and_restore_torch_distributed():
+    from smsplit.ep.testing import run_virtual_ranks
+
+    results = run_virtual_ranks(5, _exchange_twice)
+    assert results == [([0, 10, 20, 30, 40], [f"r{r}" for r in range(5)], True)] * 5
+    assert dist.barrier is _REAL_BARRIER and nvlink.symmetric_buffer is nvlink_transport.symmetric_buffer
+
+
+def _fails_on_rank_2(rank, world, group):
+    if rank == 2:
+        raise ValueError("rank 2 gives up")
+    group.barrier()
+
+
+def _never_arrives(rank, world, group):
+    if rank == 1:
+        import time
+        time.sleep(3)
+        return
+    group.barrier()
+
+
+def test_virtual_ranks_report_a_failing_or_missing_rank_without_hanging():
+    from smsplit.ep.testing import run_virtual_ranks
+
+    with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up") as failed:
+        run_virtual_ranks(4, _fails_on_rank_2, timeout_s=30)
+    assert "--- rank 0 ---" not in str(failed.value)  # the others' broken barriers are left out
+    with pytest.raises(AssertionError, match=r"ranks \[1\] did not finish within 1"):
+        run_virtual_ranks(3, _never_arrives, timeout_s=1)
+
+
+def virtual_cases(world, cases):
+    """``cases`` (rounds of `_transport_rounds` for 2 ranks) for ``world`` ranks: ranks 0 and 1 keep their token
+    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank."""
+    out = []
+    for (a, b), K, quantize, worst in cases:
+        tokens = tuple([a, b] + [(a * (r + 1) + b * r) % 513 for r in range(2, world)])
+        out.append((tokens, K, quantize, world * 512 if worst else 0))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world", [3, 4, 8])
+@pytest.mark.parametrize("kind", ["nvlink", "nvlink_copy_engine", "copy_engine"])
+def test_transports_with_more_ranks_than_gpus(kind, world):
+    """`_transport_rounds` with 3, 4 and 8 ranks as threads on one GPU (`run_virtual_ranks`): the kernels' paths for
+    more than 2 ranks, which the 2-GPU tests do not take, against the same oracle."""
+    from smsplit.ep.testing import run_virtual_ranks
+
+    cases = virtual_cases(world, DISPATCH_CASES + FP8_INPUT_CASES)
+
+    def rounds(rank, world, group):
+        sync = torch.cuda.current_stream().synchronize
+        _transport_rounds(rank, world, group, torch.device("cuda", torch.cuda.current_device()), cases, kind, sync,
+                          peer_timeout=kind == "nvlink")
+
+    run_virtual_ranks(world, rounds)
 
 
 def _every_ranks_tokens(seed, world, dev, T, H, E, K):

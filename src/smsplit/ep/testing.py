@@ -151,3 +151,136 @@ def _close_pools() -> None:
         pool.close()
     _POOLS.clear()
 
+
+# --- virtual ranks: more ranks than GPUs ---------------------------------------------------------------------------
+
+class VirtualGroup:
+    """The part of a process group the device transports use (``rank()``, ``size()``, ``group_name``), for one
+    thread of `run_virtual_ranks`."""
+
+    def __init__(self, ranks: "_VirtualRanks", rank: int) -> None:
+        self.ranks, self._rank = ranks, rank
+        self.group_name = f"virtual{ranks.world_size}"
+        self._calls = 0  # collective calls made so far: every rank makes the same ones in the same order
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.ranks.world_size
+
+    def exchange(self, value: Any) -> List[Any]:
+        """Every rank's ``value`` of this collective call, by rank, once every rank has given its own."""
+        self._calls += 1
+        return self.ranks.exchange(self._rank, self._calls, value)
+
+    def barrier(self) -> None:
+        self.ranks.barrier.wait()
+
+
+class _VirtualRanks:
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        import threading
+
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._values: Dict[int, List[Any]] = {}
+
+    def exchange(self, rank: int, call: int, value: Any) -> List[Any]:
+        with self._lock:
+            self._values.setdefault(call, [None] * self.world_size)[rank] = value
+        self.barrier.wait()
+        return list(self._values[call])
+
+
+def _virtual_symmetric_buffer(numel: int, dtype: torch.dtype, group: VirtualGroup, device: torch.device):
+    """`smsplit.ep.transport.symmetric_buffer` for virtual ranks: a plain allocation on the one device, and every
+    rank's address of its own (``handle.buffer_ptrs``)."""
+    from types import SimpleNamespace
+
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    return buffer, SimpleNamespace(buffer_ptrs=group.exchange(buffer.data_ptr()))
+
+
+def _virtual_barrier(group=None, device_ids=None, **_) -> None:
+    group.barrier()
+
+
+def _virtual_all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    torch.cuda.current_stream(input.device).synchronize()
+    values = group.exchange(input.clone())
+    output.view(group.size(), -1).copy_(torch.stack([v.flatten() for v in values]))
+
+    class Done:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    return Done() if async_op else None
+
+
+def run_virtual_ranks(world_size: int, fn: Callable, *args, timeout_s: float = 300.0) -> List[Any]:
+    """
+    Run ``fn(rank, world_size, group, *args)`` for every rank of ``world_size`` ranks on the one current GPU: each rank
+    a thread of this process on a stream of its own, ``group`` a `VirtualGroup`. Returns the results by rank; a
+    rank that raises (or does not finish within ``timeout_s``) fails the run with every failing rank's traceback.
+
+    For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
+    GPUs: while it runs, their symmetric buffers are plain allocations on the GPU whose addresses the ranks exchange,
+    and `torch.distributed.barrier` / `all_gather_into_tensor` go between the threads. Their kernels, flags and
+    bounded waits are those of one rank per GPU; every peer access stays on the one GPU (no NVLink), and the ranks'
+    kernels must fit on the GPU together (``world_size * num_sms`` SMs at most), since each waits for the others.
+    ``fn`` must synchronize its own stream only (`torch.cuda.current_stream().synchronize()`): a device-wide
+    synchronize would wait for peers' kernels that wait for this rank's next call. Not thread-safe against other
+    users of `torch.distributed` in this process while it runs.
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    from . import copy_engine, nvlink
+
+    ranks = _VirtualRanks(world_size, timeout_s)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None  # (None: host-only ranks)
+    results: List[Any] = [None] * world_size
+    failures: Dict[int, str] = {}
+
+    def body(rank: int) -> None:
+        try:
+            if device is None:
+                results[rank] = fn(rank, world_size, VirtualGroup(ranks, rank), *args)
+                return
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(torch.cuda.Stream()):
+                results[rank] = fn(rank, world_size, VirtualGroup(ranks, rank), *args)
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            failures[rank] = traceback.format_exc()
+            ranks.barrier.abort()  # the other ranks' barriers raise instead of waiting for this one
+
+    patched = [(nvlink, "symmetric_buffer", _virtual_symmetric_buffer),
+               (copy_engine, "symmetric_buffer", _virtual_symmetric_buffer),
+               (dist, "barrier", _virtual_barrier), (dist, "all_gather_into_tensor", _virtual_all_gather_into_tensor)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
+    try:
+        threads = [threading.Thread(target=body, args=(rank,), daemon=True) for rank in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        stuck = [rank for rank, t in enumerate(threads) if t.is_alive()]
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+    if stuck:
+        failures[-1] = f"ranks {stuck} did not finish within {timeout_s} s"
+    if failures:
+        first = {rank: text for rank, text in failures.items() if "BrokenBarrierError" not in text} or failures
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} on {world_size} virtual ranks failed:\n"
+                             + "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(first.items())))
+    return results
