@@ -104,10 +104,11 @@ class FastLaunch:
             if kernel is not None and hasattr(kernel, "packed_metadata"):
                 self._kernels[key] = (kernel, self._tail_taker(len(args), kwargs))
                 if len(self._kernels) > MAX_KERNELS:  # (dicts keep insertion order: the first is the least used)
-                    del self._kernels[next(iter(self._kernels))]
+                    self._kernels.pop(next(iter(self._kernels)), None)  # (another thread may have taken it)
             return kernel
         kernel, take_tail = entry
-        self._kernels[key] = self._kernels.pop(key)  # most recently used last (the bound drops the first)
+        self._kernels[key] = self._kernels.pop(key, entry)  # most recently used last (the bound drops the first;
+        # another thread launching the same kernel may have moved it already)
         full = (*args, *take_tail(kwargs))
         raw_stream = driver.active.get_current_stream(device) if stream is None else stream.cuda_stream
         enter, leave = _launch_hooks()
