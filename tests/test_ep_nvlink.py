@@ -386,43 +386,38 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
-def _exchange_twice(rank, world, group):
-    return group.exchange(rank * 10), group.exchange(f"r{rank}"), dist.barrier is not _REAL_BARRIER
+def _gather_rank_and_transport_hooks(rank, world, group):
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rank * 10, group=group)
+    return gathered, nvlink.symmetric_buffer is not nvlink_transport.symmetric_buffer
 
 
-_REAL_BARRIER = dist.barrier
+def test_ranks_on_one_gpu_share_a_group_with_the_transports_hooks_in_place():
+    from smsplit.ep.testing import run_ranks_on_one_gpu
 
-
-def test_virtual_ranks_exchange_in_call_order_and_restore_torch_distributed():
-    from smsplit.ep.testing import run_virtual_ranks
-
-    results = run_virtual_ranks(5, _exchange_twice)
-    assert results == [([0, 10, 20, 30, 40], [f"r{r}" for r in range(5)], True)] * 5
-    assert dist.barrier is _REAL_BARRIER and nvlink.symmetric_buffer is nvlink_transport.symmetric_buffer
+    assert run_ranks_on_one_gpu(3, _gather_rank_and_transport_hooks) == [([0, 10, 20], True)] * 3
 
 
 def _fails_on_rank_2(rank, world, group):
     if rank == 2:
         raise ValueError("rank 2 gives up")
-    group.barrier()
+    return rank
 
 
-def _never_arrives(rank, world, group):
+def _rank_1_never_returns(rank, world, group):
     if rank == 1:
         import time
-        time.sleep(3)
-        return
-    group.barrier()
+        time.sleep(60)
+    return rank
 
 
-def test_virtual_ranks_report_a_failing_or_missing_rank_without_hanging():
-    from smsplit.ep.testing import run_virtual_ranks
+def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
+    from smsplit.ep.testing import run_ranks_on_one_gpu
 
-    with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up") as failed:
-        run_virtual_ranks(4, _fails_on_rank_2, timeout_s=30)
-    assert "--- rank 0 ---" not in str(failed.value)  # the others' broken barriers are left out
-    with pytest.raises(AssertionError, match=r"ranks \[1\] did not finish within 1"):
-        run_virtual_ranks(3, _never_arrives, timeout_s=1)
+    with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up"):
+        run_ranks_on_one_gpu(3, _fails_on_rank_2, timeout_s=60)
+    with pytest.raises(AssertionError, match=r"ranks \[1\] did not finish within 5"):
+        run_ranks_on_one_gpu(2, _rank_1_never_returns, timeout_s=5)
 
 
 def virtual_cases(world, cases):
@@ -435,23 +430,22 @@ def virtual_cases(world, cases):
     return out
 
 
+def _rounds_on_one_gpu(rank, world, group, kind, cases):
+    _transport_rounds(rank, world, group, torch.device("cuda", 0), cases, kind, torch.cuda.synchronize,
+                      peer_timeout=kind == "nvlink")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [3, 4, 8])
 @pytest.mark.parametrize("kind", ["nvlink", "nvlink_copy_engine", "copy_engine"])
 def test_transports_with_more_ranks_than_gpus(kind, world):
-    """`_transport_rounds` with 3, 4 and 8 ranks as threads on one GPU (`run_virtual_ranks`): the kernels' paths for
+    """`_transport_rounds` with 3, 4 and 8 ranks sharing one GPU (`run_ranks_on_one_gpu`): the kernels' paths for
     more than 2 ranks, which the 2-GPU tests do not take, against the same oracle."""
-    from smsplit.ep.testing import run_virtual_ranks
+    from smsplit.ep.testing import run_ranks_on_one_gpu
 
-    cases = virtual_cases(world, DISPATCH_CASES + FP8_INPUT_CASES)
-
-    def rounds(rank, world, group):
-        sync = torch.cuda.current_stream().synchronize
-        _transport_rounds(rank, world, group, torch.device("cuda", torch.cuda.current_device()), cases, kind, sync,
-                          peer_timeout=kind == "nvlink")
-
-    run_virtual_ranks(world, rounds)
+    run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, virtual_cases(world, DISPATCH_CASES + FP8_INPUT_CASES),
+                         timeout_s=150)
 
 
 def _every_ranks_tokens(seed, world, dev, T, H, E, K):

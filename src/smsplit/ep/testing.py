@@ -16,6 +16,7 @@ import os
 import queue
 import random
 import socket
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -152,65 +153,39 @@ def _close_pools() -> None:
     _POOLS.clear()
 
 
-# --- virtual ranks: more ranks than GPUs ---------------------------------------------------------------------------
+# --- more ranks than GPUs: processes sharing one GPU ------------------------------------------------------------
 
-class VirtualGroup:
-    """The part of a process group the device transports use (``rank()``, ``size()``, ``group_name``), for one
-    thread of `run_virtual_ranks`."""
-
-    def __init__(self, ranks: "_VirtualRanks", rank: int) -> None:
-        self.ranks, self._rank = ranks, rank
-        self.group_name = f"virtual{ranks.world_size}"
-        self._calls = 0  # collective calls made so far: every rank makes the same ones in the same order
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self.ranks.world_size
-
-    def exchange(self, value: Any) -> List[Any]:
-        """Every rank's ``value`` of this collective call, by rank, once every rank has given its own."""
-        self._calls += 1
-        return self.ranks.exchange(self._rank, self._calls, value)
-
-    def barrier(self) -> None:
-        self.ranks.barrier.wait()
+_SHARING: Dict[str, Any] = {}  # in a rank of `run_ranks_on_one_gpu`: its inboxes, rank, and the peers' buffers
 
 
-class _VirtualRanks:
-    def __init__(self, world_size: int, timeout_s: float) -> None:
-        import threading
-
-        self.world_size = world_size
-        self.barrier = threading.Barrier(world_size, timeout=timeout_s)
-        self._lock = threading.Lock()
-        self._values: Dict[int, List[Any]] = {}
-
-    def exchange(self, rank: int, call: int, value: Any) -> List[Any]:
-        with self._lock:
-            self._values.setdefault(call, [None] * self.world_size)[rank] = value
-        self.barrier.wait()
-        return list(self._values[call])
-
-
-def _virtual_symmetric_buffer(numel: int, dtype: torch.dtype, group: VirtualGroup, device: torch.device):
-    """`smsplit.ep.transport.symmetric_buffer` for virtual ranks: a plain allocation on the one device, and every
-    rank's address of its own (``handle.buffer_ptrs``)."""
+def _shared_symmetric_buffer(numel: int, dtype: torch.dtype, group, device: torch.device):
+    """`smsplit.ep.transport.symmetric_buffer` for ranks sharing one GPU: a plain allocation sent to every peer
+    through torch's CUDA IPC (a `torch.multiprocessing` queue), and every rank's address of its own in this process
+    (``handle.buffer_ptrs``)."""
     from types import SimpleNamespace
 
+    rank, inboxes = _SHARING["rank"], _SHARING["inboxes"]
     buffer = torch.empty(numel, dtype=dtype, device=device)
-    return buffer, SimpleNamespace(buffer_ptrs=group.exchange(buffer.data_ptr()))
+    for peer, inbox in enumerate(inboxes):
+        if peer != rank:
+            inbox.put((rank, buffer))
+    ptrs = [0] * len(inboxes)
+    ptrs[rank] = buffer.data_ptr()
+    for _ in range(len(inboxes) - 1):
+        source, peer_buffer = inboxes[rank].get(timeout=120)
+        _SHARING["peer_buffers"].append(peer_buffer)  # mapped until this process ends
+        ptrs[source] = peer_buffer.data_ptr()
+    return buffer, SimpleNamespace(buffer_ptrs=ptrs)
 
 
-def _virtual_barrier(group=None, device_ids=None, **_) -> None:
-    group.barrier()
+def _gloo_barrier(group=None, async_op=False, device_ids=None):
+    return _SHARING["barrier"](group=group, async_op=async_op)
 
 
-def _virtual_all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    torch.cuda.current_stream(input.device).synchronize()
-    values = group.exchange(input.clone())
-    output.view(group.size(), -1).copy_(torch.stack([v.flatten() for v in values]))
+def _all_gather_through_host(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    host = torch.empty(output.shape, dtype=output.dtype)
+    _SHARING["all_gather_into_tensor"](host, input.cpu(), group=group)
+    output.copy_(host)
 
     class Done:
         def is_completed(self) -> bool:
@@ -222,65 +197,75 @@ def _virtual_all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, g
     return Done() if async_op else None
 
 
-def run_virtual_ranks(world_size: int, fn: Callable, *args, timeout_s: float = 300.0) -> List[Any]:
-    """
-    Run ``fn(rank, world_size, group, *args)`` for every rank of ``world_size`` ranks on the one current GPU: each rank
-    a thread of this process on a stream of its own, ``group`` a `VirtualGroup`. Returns the results by rank; a
-    rank that raises (or does not finish within ``timeout_s``) fails the run with every failing rank's traceback.
-
-    For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
-    GPUs: while it runs, their symmetric buffers are plain allocations on the GPU whose addresses the ranks exchange,
-    and `torch.distributed.barrier` / `all_gather_into_tensor` go between the threads. Their kernels, flags and
-    bounded waits are those of one rank per GPU; every peer access stays on the one GPU (no NVLink), and the ranks'
-    kernels must fit on the GPU together (``world_size * num_sms`` SMs at most), since each waits for the others.
-    ``fn`` must synchronize its own stream only (`torch.cuda.current_stream().synchronize()`): a device-wide
-    synchronize would wait for peers' kernels that wait for this rank's next call. Not thread-safe against other
-    users of `torch.distributed` in this process while it runs.
-    """
-    import threading
-
+def _one_gpu_rank(rank: int, world_size: int, port: int, inboxes, results, fn: Callable, args: tuple) -> None:
     import torch.distributed as dist
 
     from . import copy_engine, nvlink
 
-    ranks = _VirtualRanks(world_size, timeout_s)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None  # (None: host-only ranks)
-    results: List[Any] = [None] * world_size
-    failures: Dict[int, str] = {}
-
-    def body(rank: int) -> None:
-        try:
-            if device is None:
-                results[rank] = fn(rank, world_size, VirtualGroup(ranks, rank), *args)
-                return
-            torch.cuda.set_device(device)
-            with torch.cuda.stream(torch.cuda.Stream()):
-                results[rank] = fn(rank, world_size, VirtualGroup(ranks, rank), *args)
-                torch.cuda.current_stream().synchronize()
-        except BaseException:
-            failures[rank] = traceback.format_exc()
-            ranks.barrier.abort()  # the other ranks' barriers raise instead of waiting for this one
-
-    patched = [(nvlink, "symmetric_buffer", _virtual_symmetric_buffer),
-               (copy_engine, "symmetric_buffer", _virtual_symmetric_buffer),
-               (dist, "barrier", _virtual_barrier), (dist, "all_gather_into_tensor", _virtual_all_gather_into_tensor)]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    for module, name, value in patched:
-        setattr(module, name, value)
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        threads = [threading.Thread(target=body, args=(rank,), daemon=True) for rank in range(world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s)
-        stuck = [rank for rank, t in enumerate(threads) if t.is_alive()]
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        _SHARING.update(rank=rank, inboxes=inboxes, peer_buffers=[], barrier=dist.barrier,
+                        all_gather_into_tensor=dist.all_gather_into_tensor)
+        nvlink.symmetric_buffer = copy_engine.symmetric_buffer = _shared_symmetric_buffer
+        dist.barrier, dist.all_gather_into_tensor = _gloo_barrier, _all_gather_through_host
+        value = fn(rank, world_size, dist.group.WORLD, *args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, value))
+    _SHARING["barrier"]()  # no rank unmaps its peers' buffers (by ending) while a peer may still write them
+
+
+def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float = 300.0) -> List[Any]:
+    """
+    Run ``fn(rank, world_size, group, *args)`` in ``world_size`` spawned processes that all use GPU 0, ``group``
+    their gloo process group (the world); returns the results by rank. A rank that raises, or ranks that do not
+    finish within ``timeout_s``, fail the run (`AssertionError` with every failing rank's traceback) and every rank
+    is ended. ``fn`` must be a module-level function.
+
+    For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
+    GPUs: in these processes their symmetric buffers are plain allocations that the ranks map through CUDA IPC, and
+    their `torch.distributed.barrier` / `all_gather_into_tensor` go through gloo. Their kernels, flags and bounded
+    waits are those of one rank per GPU; every peer access stays on the one GPU (no NVLink), and the ranks' kernels
+    run time-sliced between the processes (one context each), not side by side, so a run is slow.
+    """
+    ctx = mp.get_context("spawn")
+    inboxes = [ctx.Queue() for _ in range(world_size)]
+    results = ctx.Queue()
+    port = free_port()
+    processes = [ctx.Process(target=_one_gpu_rank, args=(rank, world_size, port, inboxes, results, fn, args),
+                             daemon=True) for rank in range(world_size)]
+    for p in processes:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outcomes: Dict[int, Any] = {}
+    failures: Dict[int, str] = {}
+    try:
+        while len(outcomes) + len(failures) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcomes) - set(failures))
+                failures[-1] = f"ranks {missing} did not finish within {timeout_s} s"
+                break
+            if ok:
+                outcomes[rank] = value
+            else:
+                failures[rank] = value
+                deadline = min(deadline, time.monotonic() + 60)  # the others: until their bounded waits give up
     finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-    if stuck:
-        failures[-1] = f"ranks {stuck} did not finish within {timeout_s} s"
+        for p in processes:
+            p.join(timeout=10 if not failures else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
     if failures:
-        first = {rank: text for rank, text in failures.items() if "BrokenBarrierError" not in text} or failures
-        raise AssertionError(f"{getattr(fn, '__name__', fn)} on {world_size} virtual ranks failed:\n"
-                             + "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(first.items())))
-    return results
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks sharing one GPU failed:\n"
+                             + "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))
+    return [outcomes[r] for r in range(world_size)]
