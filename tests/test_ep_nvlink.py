@@ -389,13 +389,18 @@ def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
 def _gather_rank_and_transport_hooks(rank, world, group):
     gathered = [None] * world
     dist.all_gather_object(gathered, rank * 10, group=group)
-    return gathered, nvlink.symmetric_buffer is not nvlink_transport.symmetric_buffer
+    # the transports' calls, as they make them on NCCL: a barrier with device_ids, an all-gather into [R, ...]
+    dist.barrier(group=group, device_ids=[0])
+    out = torch.empty(world, 2, 3, dtype=torch.int64)
+    work = dist.all_gather_into_tensor(out, torch.full((2, 3), rank, dtype=torch.int64), group=group, async_op=True)
+    assert work.is_completed()
+    return gathered, out[:, 1, 2].tolist(), nvlink.symmetric_buffer is not nvlink_transport.symmetric_buffer
 
 
 def test_ranks_on_one_gpu_share_a_group_with_the_transports_hooks_in_place():
     from smsplit.ep.testing import run_ranks_on_one_gpu
 
-    assert run_ranks_on_one_gpu(3, _gather_rank_and_transport_hooks) == [([0, 10, 20], True)] * 3
+    assert run_ranks_on_one_gpu(3, _gather_rank_and_transport_hooks) == [([0, 10, 20], [0, 1, 2], True)] * 3
 
 
 def _fails_on_rank_2(rank, world, group):

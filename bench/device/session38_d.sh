@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=$(mktemp -d)
 save() { tar -C "$L" -cf "$OUT/session38_d_logs.tar" .; }
 t0=$SECONDS
-timeout -s KILL ${LIMIT:-480} python3 -m pytest -v -p no:cacheprovider tests/test_ep_nvlink.py \
+timeout -s KILL ${LIMIT:-400} python3 -m pytest -v -p no:cacheprovider tests/test_ep_nvlink.py \
   -k "more_ranks_than_gpus or ranks_on_one_gpu" > "$L/ranks_on_one_gpu.log" 2>&1 &
 pid=$!
 while kill -0 $pid 2>/dev/null; do sleep 15; save; done

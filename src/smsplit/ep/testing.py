@@ -183,9 +183,12 @@ def _gloo_barrier(group=None, async_op=False, device_ids=None):
 
 
 def _all_gather_through_host(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    host = torch.empty(output.shape, dtype=output.dtype)
-    _SHARING["all_gather_into_tensor"](host, input.cpu(), group=group)
-    output.copy_(host)
+    import torch.distributed as dist
+
+    source = input.cpu()
+    parts = [torch.empty_like(source) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, source, group=group)
+    output.view(len(parts), -1).copy_(torch.stack([p.flatten() for p in parts]))
 
     class Done:
         def is_completed(self) -> bool:
@@ -208,8 +211,7 @@ def _one_gpu_rank(rank: int, world_size: int, port: int, inboxes, results, fn: C
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        _SHARING.update(rank=rank, inboxes=inboxes, peer_buffers=[], barrier=dist.barrier,
-                        all_gather_into_tensor=dist.all_gather_into_tensor)
+        _SHARING.update(rank=rank, inboxes=inboxes, peer_buffers=[], barrier=dist.barrier)
         nvlink.symmetric_buffer = copy_engine.symmetric_buffer = _shared_symmetric_buffer
         dist.barrier, dist.all_gather_into_tensor = _gloo_barrier, _all_gather_through_host
         value = fn(rank, world_size, dist.group.WORLD, *args)
