@@ -8,7 +8,9 @@
 raises AssertionError here with every failing rank's traceback; the pool then restarts, since a failed case may
 leave the group's connections in an unknown state.
 
-Also `misaligned_copy(t)`: an input the device kernels cannot read in 16-byte vectors as it is.
+Also `misaligned_copy(t)`: an input the device kernels cannot read in 16-byte vectors as it is; and
+`run_ranks_on_one_gpu(world_size, fn, *args)`: ranks of the device transports as processes sharing one GPU, for
+more ranks than there are GPUs.
 """
 
 import atexit
