@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     args = parser.parse_args()
+    if min(args.ranks, args.steps, args.batch, args.width) < 1 or args.chunks < 0:
+        parser.error("--ranks, --steps, --batch and --width must be at least 1, --chunks at least 0")
     if "RANK" in os.environ:  # started by torchrun
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

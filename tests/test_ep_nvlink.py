@@ -416,13 +416,21 @@ def _rank_1_never_returns(rank, world, group):
     return rank
 
 
+def _rank_1_exits(rank, world, group):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
 def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
     from smsplit.ep.testing import run_ranks_on_one_gpu
 
     with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up"):
         run_ranks_on_one_gpu(3, _fails_on_rank_2, timeout_s=60)
-    with pytest.raises(AssertionError, match=r"ranks \[1\] did not finish within 5"):
-        run_ranks_on_one_gpu(2, _rank_1_never_returns, timeout_s=5)
+    with pytest.raises(AssertionError, match=r"ranks \[1\] did not return within 3"):
+        run_ranks_on_one_gpu(2, _rank_1_never_returns, timeout_s=3)  # (counted from when every rank has joined)
+    with pytest.raises(AssertionError, match=r"--- rank 1 ---\nthe process ended with exit code 3"):
+        run_ranks_on_one_gpu(2, _rank_1_exits, timeout_s=60)
 
 
 def virtual_cases(world, cases):

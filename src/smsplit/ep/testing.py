@@ -202,7 +202,10 @@ def _all_gather_through_host(output: torch.Tensor, input: torch.Tensor, group=No
     return Done() if async_op else None
 
 
-def _one_gpu_rank(rank: int, world_size: int, port: int, inboxes, results, fn: Callable, args: tuple) -> None:
+def _one_gpu_rank(rank: int, world_size: int, port: int, timeout_s: float, inboxes, results, fn: Callable,
+                  args: tuple) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from . import copy_engine, nvlink
@@ -212,53 +215,76 @@ def _one_gpu_rank(rank: int, world_size: int, port: int, inboxes, results, fn: C
     try:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        # (gloo's waits, the barrier and all-gather among them, give up after timeout_s too)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
         _SHARING.update(rank=rank, inboxes=inboxes, peer_buffers=[], barrier=dist.barrier)
         nvlink.symmetric_buffer = copy_engine.symmetric_buffer = _shared_symmetric_buffer
         dist.barrier, dist.all_gather_into_tensor = _gloo_barrier, _all_gather_through_host
+        results.put((rank, "ready", None))
         value = fn(rank, world_size, dist.group.WORLD, *args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, "failed", traceback.format_exc()))
         return
-    results.put((rank, True, value))
+    results.put((rank, "done", value))
     _SHARING["barrier"]()  # no rank unmaps its peers' buffers (by ending) while a peer may still write them
+
+
+STARTUP_S = 120.0  # how long `run_ranks_on_one_gpu` waits for its processes to start and join their group
 
 
 def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float = 300.0) -> List[Any]:
     """
     Run ``fn(rank, world_size, group, *args)`` in ``world_size`` spawned processes that all use GPU 0, ``group``
-    their gloo process group (the world); returns the results by rank. A rank that raises, or ranks that do not
-    finish within ``timeout_s``, fail the run (`AssertionError` with every failing rank's traceback) and every rank
-    is ended. ``fn`` must be a module-level function.
+    their gloo process group (the world); returns the results by rank. A rank that raises or exits, or ranks that
+    do not return within ``timeout_s`` of the last one joining the group (joining may take `STARTUP_S`), fail the
+    run (`AssertionError` with every failing rank's traceback, or what was missing) and every rank is ended.
+    ``fn`` must be a module-level function.
 
     For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
     GPUs: in these processes their symmetric buffers are plain allocations that the ranks map through CUDA IPC, and
-    their `torch.distributed.barrier` / `all_gather_into_tensor` go through gloo. Their kernels, flags and bounded
-    waits are those of one rank per GPU; every peer access stays on the one GPU (no NVLink), and the ranks' kernels
-    run time-sliced between the processes (one context each), not side by side, so a run is slow.
+    their `torch.distributed.barrier` / `all_gather_into_tensor` go through gloo (whose waits give up after
+    ``timeout_s``). Their kernels, flags and bounded waits are those of one rank per GPU; every peer access stays
+    on the one GPU (no NVLink), and the ranks' kernels run time-sliced between the processes (one context each), not
+    side by side, so a run is slow.
     """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(world_size)]
     results = ctx.Queue()
     port = free_port()
-    processes = [ctx.Process(target=_one_gpu_rank, args=(rank, world_size, port, inboxes, results, fn, args),
-                             daemon=True) for rank in range(world_size)]
+    processes = [ctx.Process(target=_one_gpu_rank, args=(rank, world_size, port, timeout_s, inboxes, results, fn,
+                                                         args), daemon=True) for rank in range(world_size)]
     for p in processes:
         p.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + STARTUP_S
+    ready: set = set()
     outcomes: Dict[int, Any] = {}
-    failures: Dict[int, str] = {}
+    failures: Dict[Any, str] = {}
     try:
         while len(outcomes) + len(failures) < world_size:
             try:
-                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, kind, value = results.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outcomes) - set(failures))
-                failures[-1] = f"ranks {missing} did not finish within {timeout_s} s"
-                break
-            if ok:
+                now = time.monotonic()
+                for r, p in enumerate(processes):  # a rank that ended without a word: it will send none
+                    if p.exitcode is not None and r not in outcomes and r not in failures:
+                        failures[r] = f"the process ended with exit code {p.exitcode} and no result"
+                if now > deadline and len(outcomes) + len(failures) < world_size:
+                    missing = sorted(set(range(world_size)) - set(outcomes) - set(failures))
+                    what = (f"did not return within {timeout_s} s" if len(ready) == world_size
+                            else f"did not join the group within {STARTUP_S} s")
+                    failures["timeout"] = f"ranks {missing} {what}"
+                    break
+                continue
+            if kind == "ready":
+                ready.add(rank)
+                if len(ready) == world_size:
+                    deadline = time.monotonic() + timeout_s
+            elif kind == "done":
                 outcomes[rank] = value
             else:
                 failures[rank] = value
@@ -271,5 +297,6 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
                 p.join()
     if failures:
         raise AssertionError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks sharing one GPU failed:\n"
-                             + "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))
+                             + "\n".join(f"--- {'rank ' + str(k) if isinstance(k, int) else k} ---\n{text}"
+                                         for k, text in sorted(failures.items(), key=lambda kv: str(kv[0]))))
     return [outcomes[r] for r in range(world_size)]
