@@ -435,7 +435,8 @@ def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
 
 def virtual_cases(world, cases):
     """``cases`` (rounds of `_transport_rounds` for 2 ranks) for ``world`` ranks: ranks 0 and 1 keep their token
-    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank."""
+    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank. (A case keeps its index, and
+    with it the per-index settings of `_transport_rounds`, only in the same list as the 2-GPU test's.)"""
     out = []
     for (a, b), K, quantize, worst in cases:
         tokens = tuple([a, b] + [(a * (r + 1) + b * r) % 513 for r in range(2, world)])
@@ -444,6 +445,8 @@ def virtual_cases(world, cases):
 
 
 def _rounds_on_one_gpu(rank, world, group, kind, cases):
+    # the missing-peer case for `nvlink` only: the copy-engine transports leave unbounded copy-stream waits for the
+    # peers that skipped the call, which this rank's final synchronize would wait on (a 2-GPU rank ends without one)
     _transport_rounds(rank, world, group, torch.device("cuda", 0), cases, kind, torch.cuda.synchronize,
                       peer_timeout=kind == "nvlink")
 
