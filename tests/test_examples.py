@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(name: str, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def run_example(name: str, *args: str, timeout: float = 240.0, launcher: tuple = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, *launcher, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -28,6 +28,13 @@ def test_ep_moe_layer_matches_the_dense_layer_on_gloo(ranks, extra):
     done = run_example("ep_moe_layer.py", "--ranks", str(ranks), *extra)
     assert done.returncode == 0, done.stdout + done.stderr
     assert ok_ranks(done.stdout) == set(range(ranks)), done.stdout
+
+
+@pytest.mark.parametrize("name", ["ep_moe_layer.py", "dualpipev.py"])
+def test_examples_run_under_torchrun(name):
+    done = run_example(name, launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ok_ranks(done.stdout) == {0, 1}, done.stdout
 
 
 def test_ep_moe_layer_reports_a_mismatch():
