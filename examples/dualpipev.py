@@ -78,17 +78,22 @@ def main_rank(args) -> bool:
     return ok
 
 
-def spawned(rank: int, world: int, port: int, args) -> None:
+def run_rank(args, local_rank: int, **init) -> None:
+    """Join the process group (``init``: `init_process_group`'s keywords beside the backend), run this rank, leave;
+    exit status 1 if its check failed."""
     if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **init)
     try:
         ok = main_rank(args)
     finally:
         dist.destroy_process_group()
     if not ok:
         raise SystemExit(1)
+
+
+def spawned(rank: int, world: int, port: int, args) -> None:
+    run_rank(args, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 def main() -> None:
@@ -105,12 +110,8 @@ def main() -> None:
     if min(args.ranks, args.steps, args.batch, args.width) < 1 or args.chunks < 0:
         parser.error("--ranks, --steps, --batch and --width must be at least 1, --chunks at least 0")
     if "RANK" in os.environ:  # started by torchrun
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        ok = main_rank(args)
-        dist.destroy_process_group()
-        raise SystemExit(0 if ok else 1)
+        run_rank(args, int(os.environ["LOCAL_RANK"]))
+        return
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         parser.error(f"--ranks {args.ranks} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     try:

@@ -244,14 +244,14 @@ def _worker(rank, world, port, cases, kind="nvlink"):
     """Dispatch/combine rounds of the `kind` transport ("nvlink", "nvlink_copy_engine" or "copy_engine") against
     the oracle, one rank per GPU."""
     dev = _init_nccl(rank, world, port)
-    _transport_rounds(rank, world, dist.group.WORLD, dev, cases, kind, torch.cuda.synchronize)
+    _transport_rounds(rank, world, dist.group.WORLD, dev, cases, kind)
     dist.barrier(device_ids=[rank])
     dist.destroy_process_group()
 
 
-def _transport_rounds(rank, world, group, dev, cases, kind, synchronize, peer_timeout=True):
-    """`_worker`'s rounds on ``group``; ``synchronize()`` waits for this rank's GPU work. Then, with
-    ``peer_timeout``, a peer that never arrives: the other ranks skip a dispatch, rank 0 must raise naming one."""
+def _transport_rounds(rank, world, group, dev, cases, kind, peer_timeout=True):
+    """`_worker`'s rounds on ``group``. Then, with ``peer_timeout``, a peer that never arrives: the other ranks skip
+    a dispatch, rank 0 must raise naming one."""
     H, E, max_tokens = 2048, 32 // world * world, 512  # (32 experts for 2, 4 and 8 ranks)
     if kind in ("nvlink", "nvlink_copy_engine"):
         transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
@@ -301,7 +301,7 @@ def _transport_rounds(rank, world, group, dev, cases, kind, synchronize, peer_ti
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
             x_in, scales_in, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize is True,
             num_worst_tokens=worst)
-        synchronize()
+        torch.cuda.synchronize()
         transport.raise_if_failed()
         if kind == "nvlink_copy_engine":  # one copy per peer of the first rows of x (or of the staged rows: FP8)
             split = layout.splits[("dispatch", transport.copy_share)]
@@ -331,7 +331,7 @@ def _transport_rounds(rank, world, group, dev, cases, kind, synchronize, peer_ti
         yw = torch.zeros(rx.size(0), K, device=dev)
         yw[:n] = ew * (rank + 1)
         out, out_w = transport.combine(y, yw, layout)
-        synchronize()
+        torch.cuda.synchronize()
         transport.raise_if_failed()
         acc_w = torch.zeros(T_all[rank], K, device=dev)
         for d in range(world):
@@ -346,7 +346,7 @@ def _transport_rounds(rank, world, group, dev, cases, kind, synchronize, peer_ti
         try:  # the copy-engine transport's layout is a collective: reuse the last one
             transport.dispatch(x, None, None, None, in_rank, num_local,
                                cached=layout if kind == "copy_engine" else None)
-            synchronize()
+            torch.cuda.synchronize()
             transport.raise_if_failed()
         except nvlink.EPTimeoutError as e:
             assert 0 < e.peer < world and ("notify" in e.phase or "enter the dispatch" in e.phase), str(e)
@@ -433,10 +433,11 @@ def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
         run_ranks_on_one_gpu(2, _rank_1_exits, timeout_s=60)
 
 
-def virtual_cases(world, cases):
+def cases_for_ranks(world, cases):
     """``cases`` (rounds of `_transport_rounds` for 2 ranks) for ``world`` ranks: ranks 0 and 1 keep their token
-    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank. (A case keeps its index, and
-    with it the per-index settings of `_transport_rounds`, only in the same list as the 2-GPU test's.)"""
+    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank. (A case
+    keeps its index, and with it the per-index settings of `_transport_rounds`, only in the same list as the
+    2-GPU test's.)"""
     out = []
     for (a, b), K, quantize, worst in cases:
         tokens = tuple([a, b] + [(a * (r + 1) + b * r) % 513 for r in range(2, world)])
@@ -447,8 +448,7 @@ def virtual_cases(world, cases):
 def _rounds_on_one_gpu(rank, world, group, kind, cases):
     # the missing-peer case for `nvlink` only: the copy-engine transports leave unbounded copy-stream waits for the
     # peers that skipped the call, which this rank's final synchronize would wait on (a 2-GPU rank ends without one)
-    _transport_rounds(rank, world, group, torch.device("cuda", 0), cases, kind, torch.cuda.synchronize,
-                      peer_timeout=kind == "nvlink")
+    _transport_rounds(rank, world, group, torch.device("cuda", 0), cases, kind, peer_timeout=kind == "nvlink")
 
 
 @pytest.mark.gpu
@@ -460,7 +460,7 @@ def test_transports_with_more_ranks_than_gpus(kind, world):
     more than 2 ranks, which the 2-GPU tests do not take, against the same oracle."""
     from smsplit.ep.testing import run_ranks_on_one_gpu
 
-    run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, virtual_cases(world, DISPATCH_CASES + FP8_INPUT_CASES),
+    run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, cases_for_ranks(world, DISPATCH_CASES + FP8_INPUT_CASES),
                          timeout_s=150)
 
 

@@ -191,15 +191,17 @@ def _all_gather_through_host(output: torch.Tensor, input: torch.Tensor, group=No
     parts = [torch.empty_like(source) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, source, group=group)
     output.view(len(parts), -1).copy_(torch.stack([p.flatten() for p in parts]))
+    return _Completed() if async_op else None
 
-    class Done:
-        def is_completed(self) -> bool:
-            return True
 
-        def wait(self, timeout=None) -> bool:
-            return True
+class _Completed:
+    """The work handle of a collective that has already finished."""
 
-    return Done() if async_op else None
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 def _one_gpu_rank(rank: int, world_size: int, port: int, timeout_s: float, inboxes, results, fn: Callable,
