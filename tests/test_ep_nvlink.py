@@ -376,11 +376,15 @@ FP8_INPUT_CASES = [
 ]
 
 
+# The rounds of both nvlink transports' tests; top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be
+# half holes, the SMs move the rows
+NVLINK_CASES = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
-    # top-1 over 512 tokens: with bulk="copy_engine" a copied prefix would be half holes, the SMs move the rows
-    cases = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
+    cases = NVLINK_CASES
     mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed, or staged and copied)
     mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
@@ -435,9 +439,9 @@ def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
 
 def cases_for_ranks(world, cases):
     """``cases`` (rounds of `_transport_rounds` for 2 ranks) for ``world`` ranks: ranks 0 and 1 keep their token
-    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank. (A case
-    keeps its index, and with it the per-index settings of `_transport_rounds`, only in the same list as the
-    2-GPU test's.)"""
+    counts, the others get counts from them (0 to 512); a padded case pads to every token of every rank. Each case
+    keeps its index, and with it the per-index settings of `_transport_rounds` (for ``NVLINK_CASES``, those of the
+    2-GPU test: FP8 input moved by SMs and by a copy engine)."""
     out = []
     for (a, b), K, quantize, worst in cases:
         tokens = tuple([a, b] + [(a * (r + 1) + b * r) % 513 for r in range(2, world)])
@@ -460,7 +464,7 @@ def test_transports_with_more_ranks_than_gpus(kind, world):
     more than 2 ranks, which the 2-GPU tests do not take, against the same oracle."""
     from smsplit.ep.testing import run_ranks_on_one_gpu
 
-    run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, cases_for_ranks(world, DISPATCH_CASES + FP8_INPUT_CASES),
+    run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, cases_for_ranks(world, NVLINK_CASES),
                          timeout_s=150)
 
 
