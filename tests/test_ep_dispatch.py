@@ -415,3 +415,21 @@ def test_combine_sums_in_fp32_and_rounds_once():
 
 def test_zero_hidden_size_is_an_argument_error_on_every_rank():
     assert gloo_pool(2).run(case_zero_hidden) == [True, True]
+
+
+def case_all_gather_without_deprecation(rank, world_size):
+    import warnings
+
+    from smsplit.ep.transport import all_gather_into_tensor
+
+    out = torch.full((world_size * 3,), -1, dtype=torch.int64)  # (gloo's shape: NCCL also takes [world, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates all_gather_into_tensor's old name
+        work = all_gather_into_tensor(out, torch.arange(3) + 10 * rank, dist.group.WORLD, async_op=True)
+    work.wait()
+    return out.view(world_size, 3)
+
+
+def test_transports_all_gather_under_the_name_torch_keeps():
+    gathered = gloo_pool(3).run(case_all_gather_without_deprecation)
+    assert all(torch.equal(g, torch.arange(3) + 10 * torch.arange(3)[:, None]) for g in gathered)

@@ -13,6 +13,7 @@ from smsplit import ptx
 from smsplit.ep import nvlink
 from smsplit.ep import transport as nvlink_transport
 from smsplit.ep.testing import free_port, misaligned_copy
+from smsplit.ep.transport import all_gather_into_tensor
 from smsplit.fp8 import quantize_1x128
 
 
@@ -396,7 +397,7 @@ def _gather_rank_and_transport_hooks(rank, world, group):
     # the transports' calls, as they make them on NCCL: a barrier with device_ids, an all-gather into [R, ...]
     dist.barrier(group=group, device_ids=[0])
     out = torch.empty(world, 2, 3, dtype=torch.int64)
-    work = dist.all_gather_into_tensor(out, torch.full((2, 3), rank, dtype=torch.int64), group=group, async_op=True)
+    work = all_gather_into_tensor(out, torch.full((2, 3), rank, dtype=torch.int64), group=group, async_op=True)
     assert work.is_completed()
     return gathered, out[:, 1, 2].tolist(), nvlink.symmetric_buffer is not nvlink_transport.symmetric_buffer
 

@@ -21,7 +21,7 @@ from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
-from .transport import EPTimeoutError, check_combine_weights, poll_until, symmetric_buffer
+from .transport import EPTimeoutError, all_gather_into_tensor, check_combine_weights, poll_until, symmetric_buffer
 
 
 class StreamOps:
@@ -404,7 +404,7 @@ class CopyEngineTransport:
         chunk_of = torch.arange(T, device=self.device) // chunk
         per_chunk = torch.zeros(NC, R, dtype=torch.int64, device=self.device).index_add_(0, chunk_of, in_rank.long())
         gathered = torch.empty(R, NC, R, dtype=torch.int64, device=self.device)
-        work = dist.all_gather_into_tensor(gathered, per_chunk, group=self.group, async_op=True)
+        work = all_gather_into_tensor(gathered, per_chunk, group=self.group, async_op=True)
         if not poll_until(work.is_completed, time.monotonic() + self.timeout_s):
             peer = (self.rank + 1) % R
             what = f"layout: waiting for the per-chunk counts of one of ranks {[p for p in range(R) if p != self.rank]}"

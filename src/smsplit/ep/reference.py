@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .host_headers import HostHeaders, enabled_by_environment
 from .layout import DispatchHandle
-from .transport import EPError, EPTimeoutError, Transport, poll_until
+from .transport import EPError, EPTimeoutError, Transport, all_gather_into_tensor, poll_until
 
 
 @dataclass
@@ -171,7 +171,7 @@ class ReferenceTransport(Transport):
             rows = rows.to(device=self.device, dtype=torch.int64).contiguous()
             gathered = torch.empty(self.num_ranks, *rows.shape, dtype=torch.int64, device=self.device)
             deadline = time.monotonic() + self.timeout_s
-            work = dist.all_gather_into_tensor(gathered, rows, group=self.group, async_op=True)
+            work = all_gather_into_tensor(gathered, rows, group=self.group, async_op=True)
             peers = [p for p in range(self.num_ranks) if p != self.rank]
             if peers:
                 self._wait_any(work, op, what, peers, deadline)

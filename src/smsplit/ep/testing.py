@@ -223,6 +223,8 @@ def _one_gpu_rank(rank: int, world_size: int, port: int, timeout_s: float, inbox
         _SHARING.update(rank=rank, inboxes=inboxes, peer_buffers=[], barrier=dist.barrier)
         nvlink.symmetric_buffer = copy_engine.symmetric_buffer = _shared_symmetric_buffer
         dist.barrier, dist.all_gather_into_tensor = _gloo_barrier, _all_gather_through_host
+        if hasattr(dist, "all_gather_single"):  # the name the transports call where torch has it (2.13)
+            dist.all_gather_single = _all_gather_through_host
         results.put((rank, "ready", None))
         value = fn(rank, world_size, dist.group.WORLD, *args)
         if torch.cuda.is_available():
@@ -247,10 +249,10 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
 
     For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
     GPUs: in these processes their symmetric buffers are plain allocations that the ranks map through CUDA IPC, and
-    their `torch.distributed.barrier` / `all_gather_into_tensor` go through gloo (whose waits give up after
-    ``timeout_s``). Their kernels, flags and bounded waits are those of one rank per GPU; every peer access stays
-    on the one GPU (no NVLink), and the ranks' kernels run time-sliced between the processes (one context each), not
-    side by side, so a run is slow.
+    their `torch.distributed.barrier` / `all_gather_into_tensor` (`all_gather_single`) go through gloo (whose waits
+    give up after ``timeout_s``). Their kernels, flags and bounded waits are those of one rank per GPU; every peer
+    access stays on the one GPU (no NVLink), and the ranks' kernels run time-sliced between the processes (one
+    context each), not side by side, so a run is slow.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")

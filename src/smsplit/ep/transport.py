@@ -155,6 +155,15 @@ def check_combine_weights(weights: Optional[torch.Tensor], rows: int, max_topk: 
         raise ValueError("topk_weights: the kernels index rows densely; pass a contiguous tensor")
 
 
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """``torch.distributed.all_gather_into_tensor``: rank r's ``input`` into ``output``'s r-th slice. Under the name
+    torch 2.13 keeps for it (``all_gather_single``; the old name warns there), where torch has it."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
 def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
     """Call `ready()` until it returns True (then True) or `time.monotonic()` passes `deadline` (then False): without
     sleeping for the first `SPIN_S`, then every 100 us."""
