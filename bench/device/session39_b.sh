@@ -6,6 +6,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=$(mktemp -d)
 save() { tar -C "$L" -cf "$OUT/session39_b_logs.tar" .; }
+echo "device copy: HEAD $(git rev-parse --short HEAD 2>/dev/null), changed files:"; git status --short 2>/dev/null | head -20
 python3 -c "import torch, torch.distributed as d; print('torch', torch.__version__, 'all_gather_single:', hasattr(d, 'all_gather_single'))"
 timeout -s KILL 330 python3 -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" -k "not more_ranks_than_gpus" \
   tests > "$L/pytest_one_gpu.log" 2>&1
