@@ -97,7 +97,7 @@ def spawned(rank: int, world: int, port: int, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--ranks", type=int, default=2, help="processes to start (ignored under torchrun)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--steps", type=int, default=3)
@@ -109,6 +109,11 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.ranks, args.steps, args.batch, args.width) < 1 or args.chunks < 0:
         parser.error("--ranks, --steps, --batch and --width must be at least 1, --chunks at least 0")
+    world = int(os.environ.get("WORLD_SIZE", args.ranks))
+    if args.chunks and args.chunks < 2 * world:
+        parser.error(f"--chunks {args.chunks}: DualPipeV with {world} ranks needs at least 2 x ranks = {2 * world}")
+    if args.batch < (args.chunks or 2 * world):
+        parser.error(f"--batch {args.batch}: needs at least one sample per micro-batch ({args.chunks or 2 * world})")
     if "RANK" in os.environ:  # started by torchrun
         run_rank(args, int(os.environ["LOCAL_RANK"]))
         return

@@ -145,7 +145,7 @@ def spawned(rank: int, world: int, port: int, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--ranks", type=int, default=2, help="processes to start (ignored under torchrun)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", default="auto",

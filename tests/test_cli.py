@@ -24,6 +24,17 @@ def test_trace_on_a_cpu_explains_and_writes_a_summary(tmp_path, capsys):
     assert summary["gpu"] is False
 
 
+def test_demo_passes_its_options_and_says_where_the_report_is(tmp_path, capsys, monkeypatch):
+    from smsplit.moe import train
+
+    calls = []
+    monkeypatch.setattr(train, "run_demo", lambda **kwargs: calls.append(kwargs) or {})
+    out = str(tmp_path / "report")
+    assert main(["demo", "--out", out, "--steps", "7", "--device", "cpu", "--comm-sms", "16", "--seed", "3"]) == 0
+    assert calls == [dict(out_dir=out, steps=7, device="cpu", comm_sms=16, seed=3)]
+    assert capsys.readouterr().out.strip().endswith(f"report: {out}")
+
+
 def test_unknown_command_and_bad_device_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])

@@ -427,11 +427,20 @@ def _rank_1_exits(rank, world, group):
     return rank
 
 
-def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging():
+def _rank_2_fails_rank_1_never_returns(rank, world, group):
+    return _rank_1_never_returns(rank, world, group) if rank == 1 else _fails_on_rank_2(rank, world, group)
+
+
+def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging(monkeypatch):
+    from smsplit.ep import testing
     from smsplit.ep.testing import run_ranks_on_one_gpu
 
     with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up"):
         run_ranks_on_one_gpu(3, _fails_on_rank_2, timeout_s=60)
+    monkeypatch.setattr(testing, "AFTER_FAILURE_S", 2.0)  # once rank 2 has failed, rank 1 gets 2 s, not 60
+    with pytest.raises(AssertionError, match=r"(?s)ValueError: rank 2 gives up.*"
+                                             r"ranks \[1\] did not return within 2.0 s of rank 2's failure"):
+        run_ranks_on_one_gpu(3, _rank_2_fails_rank_1_never_returns, timeout_s=60)
     with pytest.raises(AssertionError, match=r"ranks \[1\] did not return within 3"):
         run_ranks_on_one_gpu(2, _rank_1_never_returns, timeout_s=3)  # (counted from when every rank has joined)
     with pytest.raises(AssertionError, match=r"--- rank 1 ---\nthe process ended with exit code 3"):

@@ -57,6 +57,16 @@ def test_ep_moe_layer_refuses_bad_options_before_starting_ranks(args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--chunks", "3"), "--chunks 3: DualPipeV with 2 ranks needs at least 2 x ranks = 4"),
+    (("--batch", "3"), "--batch 3: needs at least one sample per micro-batch (4)"),
+    (("--steps", "0"), "must be at least 1"),
+])
+def test_dualpipev_refuses_bad_options_before_starting_ranks(args, message):
+    done = run_example("dualpipev.py", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 def test_ep_moe_layer_with_a_rank_that_receives_nothing():
     # one token with top-1 on 4 ranks: at least two ranks receive nothing, and still take part in the backward
     done = run_example("ep_moe_layer.py", "--ranks", "4", "--tokens", "1", "--topk", "1")

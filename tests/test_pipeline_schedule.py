@@ -302,6 +302,8 @@ def test_save_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     assert width > 600 and height > 200
+    simulate("dualpipev", 1, 2).save_png(str(tmp_path / "one_rank.png"), title="a title above the totals")
+    assert (tmp_path / "one_rank.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("kind, pp, chunks, words", [

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
                      seed=args.seed)
         except ValueError as e:
             p_demo.error(str(e))
+        print(f"report: {args.out}")
     elif args.command == "trace":
         from smsplit import demo
 

@@ -51,6 +51,10 @@ def _inner_numel(field: torch.Tensor) -> int:
 
 
 class ReferenceTransport(Transport):
+    """`Buffer`'s ``backend="reference"`` (see the module's docstring): the transport calls on ``group``'s own
+    backend, tensors on ``device``, every wait bounded by ``timeout_s`` (`EPTimeoutError` naming the peer and
+    phase)."""
+
     name = "reference"
 
     def __init__(self, group, device: torch.device, timeout_s: float) -> None:

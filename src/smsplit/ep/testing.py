@@ -233,19 +233,23 @@ def _one_gpu_rank(rank: int, world_size: int, port: int, timeout_s: float, inbox
         results.put((rank, "failed", traceback.format_exc()))
         return
     results.put((rank, "done", value))
-    _SHARING["barrier"]()  # no rank unmaps its peers' buffers (by ending) while a peer may still write them
+    try:  # no rank unmaps its peers' buffers (by ending) while a peer may still write them
+        _SHARING["barrier"]()
+    except RuntimeError:  # a peer that never comes here: the parent reports it (its result is missing)
+        pass
 
 
 STARTUP_S = 120.0  # how long `run_ranks_on_one_gpu` waits for its processes to start and join their group
+AFTER_FAILURE_S = 60.0  # how long it waits for the other ranks once one has failed (their bounded waits give up)
 
 
 def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float = 300.0) -> List[Any]:
     """
     Run ``fn(rank, world_size, group, *args)`` in ``world_size`` spawned processes that all use GPU 0, ``group``
     their gloo process group (the world); returns the results by rank. A rank that raises or exits, or ranks that
-    do not return within ``timeout_s`` of the last one joining the group (joining may take `STARTUP_S`), fail the
-    run (`AssertionError` with every failing rank's traceback, or what was missing) and every rank is ended.
-    ``fn`` must be a module-level function.
+    do not return within ``timeout_s`` of the last one joining the group (joining may take `STARTUP_S`; after a
+    rank has failed, the others get at most `AFTER_FAILURE_S` more), fail the run (`AssertionError` with every
+    failing rank's traceback, or what was missing) and every rank is ended. ``fn`` must be a module-level function.
 
     For testing the device transports (`NvlinkTransport`, `CopyEngineTransport`) with more ranks than there are
     GPUs: in these processes their symmetric buffers are plain allocations that the ranks map through CUDA IPC, and
@@ -268,6 +272,7 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
     ready: set = set()
     outcomes: Dict[int, Any] = {}
     failures: Dict[Any, str] = {}
+    waited = f"did not join the group within {STARTUP_S} s"
     try:
         while len(outcomes) + len(failures) < world_size:
             try:
@@ -279,20 +284,21 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
                         failures[r] = f"the process ended with exit code {p.exitcode} and no result"
                 if now > deadline and len(outcomes) + len(failures) < world_size:
                     missing = sorted(set(range(world_size)) - set(outcomes) - set(failures))
-                    what = (f"did not return within {timeout_s} s" if len(ready) == world_size
-                            else f"did not join the group within {STARTUP_S} s")
-                    failures["timeout"] = f"ranks {missing} {what}"
+                    failures["timeout"] = f"ranks {missing} {waited}"
                     break
                 continue
             if kind == "ready":
                 ready.add(rank)
                 if len(ready) == world_size:
                     deadline = time.monotonic() + timeout_s
+                    waited = f"did not return within {timeout_s} s"
             elif kind == "done":
                 outcomes[rank] = value
             else:
                 failures[rank] = value
-                deadline = min(deadline, time.monotonic() + 60)  # the others: until their bounded waits give up
+                if time.monotonic() + AFTER_FAILURE_S < deadline:
+                    deadline = time.monotonic() + AFTER_FAILURE_S
+                    waited = f"did not return within {AFTER_FAILURE_S} s of rank {rank}'s failure"
     finally:
         for p in processes:
             p.join(timeout=10 if not failures else 0.1)

@@ -24,6 +24,12 @@ from smsplit.pipeline.weight_grad import Linear
 
 @dataclass
 class ModelConfig:
+    """The model's sizes: the token vocabulary, model width ``dim``, ``n_layers`` blocks (split evenly over the
+    ``2 * pp`` stages), attention heads, and each MoE block's ``n_experts`` routed experts of width ``inter_dim``
+    (``topk`` per token, chosen within ``topk_groups`` of ``n_groups`` groups, weights scaled by ``route_scale``)
+    beside ``n_shared`` shared experts; ``seq_len`` tokens per sequence; ``fp8_dispatch``: tokens cross ranks in
+    FP8 e4m3; ``rope_theta``: RoPE's base. Bad values raise ValueError when the config is made."""
+
     vocab_size: int = 64
     dim: int = 128
     n_layers: int = 4

@@ -427,14 +427,15 @@ class Simulation:
         ax.set_yticks([self.pp - 1 - r + 0.5 for r in range(self.pp)])
         ax.set_yticklabels([f"rank {r}" for r in range(self.pp)])
         ax.set_xlabel("time")
-        ax.set_title(title or f"{self.kind}, {self.pp} ranks, {self.chunks} chunks, "
-                     f"total {self.total:.4g}, bubble max {max(self.bubble):.4g}")
-        ax.legend(handles=[Patch(color=colour["F"][0], label="F"), Patch(color=colour["B"][0], label="B"),
-                           Patch(color=colour["Bi"][0], label="B (input only)"),
-                           Patch(color=colour["W"][0], label="W"),
-                           Patch(color="white", ec="black", label="F&B: F top, B bottom; darker: module 1")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=7, frameon=False)
-        fig.tight_layout()
+        stats = (f"{self.kind}, {self.pp} ranks, {self.chunks} chunks, total {self.total:.4g}, "
+                 f"bubble max {max(self.bubble):.4g}")
+        ax.set_title(f"{title}\n{stats}" if title else stats)
+        fig.legend(handles=[Patch(color=colour["F"][0], label="F"), Patch(color=colour["B"][0], label="B"),
+                            Patch(color=colour["Bi"][0], label="B (input only)"),
+                            Patch(color=colour["W"][0], label="W"),
+                            Patch(color="white", ec="black", label="F&B: F top, B bottom; darker: module 1")],
+                   loc="lower center", ncol=5, fontsize=7, frameon=False)
+        fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # the legend's 0.3 inch below the axes
         fig.savefig(path, dpi=150)
         plt.close(fig)
 
