@@ -4,6 +4,7 @@ buffer stays usable; a peer that never arrives raises EPTimeoutError naming it a
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,6 +78,16 @@ def case_argument_errors(rank, world_size):
          dispatch_with(num_tokens_per_expert=torch.zeros(2 * world_size + 1, dtype=torch.int32), everywhere=True)),
         ("num_worst_tokens", dispatch_with(num_worst_tokens=1)),  # rank `last` receives more than 1 token
         ("num_worst_tokens", dispatch_with(num_worst_tokens=-1)),
+        ("num_worst_tokens", dispatch_with(num_worst_tokens=2**63)),  # (beyond the int64 header)
+        ("num_worst_tokens", dispatch_with(num_worst_tokens=2**31)),  # (beyond int32 row indices)
+        ("num_tokens_per_expert", dispatch_with(num_tokens_per_expert=torch.full((NUM_EXPERTS,), -1,
+                                                                                 dtype=torch.int32))),
+        # no tokens on one rank, its expert counts stale: its (empty) topk_idx chooses no expert
+        ("num_tokens_per_expert", dispatch_with(x=torch.zeros(0, HIDDEN, dtype=torch.bfloat16),
+                                                topk_idx=torch.zeros(0, TOPK, dtype=torch.int64),
+                                                topk_weights=torch.zeros(0, TOPK),
+                                                is_token_in_rank=torch.zeros(0, world_size, dtype=torch.bool),
+                                                num_tokens_per_rank=torch.zeros(world_size, dtype=torch.int32))),
         ("expert_alignment", dispatch_with(expert_alignment=0)),
         ("dequantize", dispatch_with(dequantize=True)),
         ("x", dispatch_with(fp8=True, x=torch.zeros(4, 200, dtype=torch.bfloat16))),
@@ -99,9 +110,21 @@ def case_argument_errors(rank, world_size):
                                                    bias=torch.zeros(1, HIDDEN, dtype=torch.bfloat16)))
     expect_rejected("topk_weights", lambda: buffer.combine(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), handle,
                                                            topk_weights=torch.zeros(rows + 1, TOPK)))
+    # a combine's top-k width differs between ranks: named after its topk_weights
+    expect_rejected("topk_weights", lambda: buffer.combine(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), handle,
+                                                           topk_weights=torch.zeros(rows, TOPK + 2 * bad_here)))
+    without_topk = {k: v for k, v in args.items() if k not in ("topk_idx", "topk_weights")}
+    if bad_here:  # no topk_idx: each count within [0, num_tokens]
+        without_topk["num_tokens_per_expert"] = torch.full((NUM_EXPERTS,), 5, dtype=torch.int32)
+    expect_rejected("num_tokens_per_expert", lambda: buffer.dispatch(**without_topk))
     round_trip(buffer, rank, world_size, 5)
 
     # Local checks of get_dispatch_layout (no communication).
+    expect_rejected("previous_event", lambda: buffer.get_dispatch_layout(args["topk_idx"], NUM_EXPERTS,
+                                                                         previous_event="not an event"))
+    from_numpy_int = buffer.get_dispatch_layout(args["topk_idx"], np.int64(NUM_EXPERTS))  # an int, as in DeepEP
+    from_int = buffer.get_dispatch_layout(args["topk_idx"], NUM_EXPERTS)
+    assert all(torch.equal(from_numpy_int[i], from_int[i]) for i in (0, 2, 3))
     expect_rejected("num_experts", lambda: buffer.get_dispatch_layout(args["topk_idx"], 2 * world_size + 1))
     expect_rejected("topk_idx", lambda: buffer.get_dispatch_layout(args["topk_idx"] + NUM_EXPERTS, NUM_EXPERTS))
 
@@ -314,7 +337,8 @@ def test_a_layout_that_is_not_the_top_k_ids_is_rejected_on_every_rank():
 
 def case_constructor_error_on_one_rank(rank, world_size, argument):
     bad = {"num_sms": dict(num_sms=0), "backend": dict(backend="nvlink"), "num_rdma_bytes": dict(num_rdma_bytes=1),
-           "num_nvl_bytes": dict(num_nvl_bytes="big"), "timeout_s": dict(timeout_s=-1.0)}[argument]
+           "num_nvl_bytes": dict(num_nvl_bytes="big"), "timeout_s": dict(timeout_s=-1.0),
+           "num_nvl_bytes too big": dict(num_nvl_bytes=2**64)}[argument]  # (beyond the int64 header)
     start = time.monotonic()
     try:
         Buffer(dist.group.WORLD, **{"timeout_s": 10, **(bad if rank == world_size - 1 else {})})
@@ -323,11 +347,13 @@ def case_constructor_error_on_one_rank(rank, world_size, argument):
     return None
 
 
-@pytest.mark.parametrize("argument", ["num_sms", "backend", "num_rdma_bytes", "num_nvl_bytes", "timeout_s"])
+@pytest.mark.parametrize("argument", ["num_sms", "backend", "num_rdma_bytes", "num_nvl_bytes", "timeout_s",
+                                      "num_nvl_bytes too big"])
 def test_a_constructor_argument_rejected_on_one_rank_is_raised_on_every_rank_at_once(argument):
     results = gloo_pool(2).run(case_constructor_error_on_one_rank, argument)
-    assert all(r is not None and r[0] == argument and r[2] < 5.0 for r in results), results
-    assert "rejected on rank 1" in results[0][1] and results[1][1].startswith(f"{argument}: ")
+    name = argument.split()[0]
+    assert all(r is not None and r[0] == name and r[2] < 5.0 for r in results), results
+    assert "rejected on rank 1" in results[0][1] and results[1][1].startswith(f"{name}: ")
 
 
 def test_a_device_combine_rejects_weights_its_slots_cannot_hold():

@@ -74,6 +74,17 @@ def test_zero_tile_has_finite_scale():
     assert bool((fp8.dequantize_1x128(x_fp8, scales)[1] == x[1]).all())
 
 
+def test_a_non_finite_value_makes_its_tile_nan_and_no_other():
+    # (documented in quantize_1x128 and Buffer.dispatch's fp8: the tile's scale is inf or NaN)
+    x = torch.randn(2, 384, dtype=torch.bfloat16)
+    x[0, 3], x[1, 300] = float("inf"), float("nan")
+    x_fp8, scales = fp8.quantize_1x128(x)
+    back = fp8.dequantize_1x128(x_fp8, scales)
+    nan_tiles = back.float().isnan().unflatten(-1, (3, 128)).all(-1)
+    assert nan_tiles.tolist() == [[True, False, False], [False, False, True]]
+    assert torch.isfinite(back[0, 128:]).all() and torch.isfinite(back[1, :256]).all()
+
+
 def test_1x128_argument_errors():
     with pytest.raises(ValueError, match="x:"):
         fp8.quantize_1x128(torch.randn(4, 100))

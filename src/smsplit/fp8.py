@@ -47,6 +47,8 @@ def quantize_1x128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     Returns:
         x_fp8: `[..., hidden]` with `torch.float8_e4m3fn`.
         scales: `[..., hidden // 128]` with `torch.float32`; `x ~= x_fp8.float() * scales` repeated over each tile.
+
+    A tile (128 values) holding inf or NaN gets an inf or NaN scale: all of its values dequantize to NaN.
     """
     _check_1x128_input(x)
     tiles = x.float().unflatten(-1, (x.size(-1) // BLOCK, BLOCK))

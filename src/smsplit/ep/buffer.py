@@ -77,14 +77,26 @@ def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optio
         raise _reject(name, f"expected a tensor on {device} (this buffer's device), got one on {t.device}")
 
 
+def _check_event(previous_event) -> None:
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise _reject("previous_event", f"expected an EventOverlap or None, got {type(previous_event).__name__}")
+
+
 def _check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+MAX_ROWS = (1 << 31) - 1  # received rows are named by int32 indices (recv_src_idx, the layouts' positions)
+MAX_COUNT = (1 << 62) - 1  # a count or size above this cannot be a real one and would overflow the int64 header
+
+
+def _check_int(name: str, value, minimum: int, maximum: int = MAX_COUNT) -> None:
+    """An int (numpy ints too) in [minimum, maximum], else `EPArgumentError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise _reject(name, f"expected an int >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise _reject(name, f"expected an int <= {maximum}, got {value!r}")
 
 
 MAX_NUM_SMS = 1 << 16  # far above any GPU's SMs; keeps a count inside the int64 header
@@ -513,6 +525,7 @@ class Buffer:
             event: the event after the computation (meaningful only with `async_finish` on CUDA).
         """
         _check_int("num_experts", num_experts, 1)
+        _check_event(previous_event)
         if num_experts % self.group_size:
             raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
         self._check_alive()
@@ -579,7 +592,9 @@ class Buffer:
             allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
                 allocated on the current stream).
             fp8: quantize a floating-point `x` to FP8 e4m3 with one fp32 scale per 128 values before sending
-                (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)`.
+                (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)`. An inf or NaN in
+                `x` makes its whole 128-value tile NaN after dequantization (its scale is inf or NaN), as with
+                DeepEP's cast; nothing checks for them (that would cost a host synchronization).
             dequantize: with FP8 on the wire (`fp8=True` or an FP8 `x`), dequantize on receive: `recv_x` is a
                 tensor of the input dtype (bfloat16 for an FP8 `x`).
 
@@ -989,9 +1004,8 @@ class Buffer:
         if dequantize and not (fp8 or scales is not None):
             raise _reject("dequantize", "dequantize=True needs FP8 on the wire (fp8=True or an FP8 x)")
         _check_int("expert_alignment", expert_alignment, 1)
-        _check_int("num_worst_tokens", num_worst_tokens, 0)
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise _reject("previous_event", f"expected an EventOverlap or None, got {type(previous_event).__name__}")
+        _check_int("num_worst_tokens", num_worst_tokens, 0, MAX_ROWS)
+        _check_event(previous_event)
         if num_tokens_per_rdma_rank is not None:
             raise _reject("num_tokens_per_rdma_rank", "must be None: this buffer is intranode only")
 
@@ -1073,6 +1087,12 @@ class Buffer:
         in_rank = values[num_ranks + num_experts:2 * num_ranks + num_experts]
         if per_rank != in_rank:
             raise _reject("num_tokens_per_rank", "does not match is_token_in_rank.sum(0)")
+        num_tokens = is_token_in_rank.size(0)
+        if topk_idx is not None and not with_topk and any(per_expert):
+            raise _reject("num_tokens_per_expert", "must be all 0: topk_idx chooses no expert (it is empty)")
+        if any(not 0 <= count <= num_tokens for count in per_expert):
+            raise _reject("num_tokens_per_expert", f"expected counts in [0, {num_tokens}] (the tokens), got "
+                                                   f"{min(per_expert)} to {max(per_expert)}")
         if with_topk:
             implied_per_expert = values[2 * num_ranks + num_experts:2 * num_ranks + 2 * num_experts]
             outside, differ = values[-2:]
@@ -1116,8 +1136,7 @@ class Buffer:
             raise _reject("bias", "expected None, a tensor, or a tuple of two tensors")
         for b in biases:
             _check_tensor("bias", b, self.device, (x.dtype,), (handle.num_tokens, hidden))
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise _reject("previous_event", f"expected an EventOverlap or None, got {type(previous_event).__name__}")
+        _check_event(previous_event)
         return biases
 
     # -- agreement between ranks -----------------------------------------------------------------------------
@@ -1201,7 +1220,8 @@ class Buffer:
                   (H_FLAGS, FLAG_SCALES, "fp8", "FP8 on the wire"),
                   (H_FLAGS, FLAG_TOPK_IDX, "topk_idx", "whether topk_idx is given"),
                   (H_FLAGS, FLAG_TOPK_WEIGHTS, "topk_weights", "whether topk_weights is given"),
-                  (H_NUM_TOPK, None, "topk_idx", "num_topk")]
+                  # (a combine's num_topk is its topk_weights' width)
+                  (H_NUM_TOPK, None, "topk_idx" if op == OP_DISPATCH else "topk_weights", "num_topk")]
         if op == OP_DISPATCH:
             checks.append((H_NUM_EXPERTS, None, "num_tokens_per_expert", "num_experts"))
         # the handle of a cached dispatch or a combine: made by the same dispatch call on every rank
