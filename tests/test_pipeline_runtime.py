@@ -79,6 +79,15 @@ class BadOutputStage(Stage):
         return out if type(self).extra is None else (*out, *type(self).extra(x))
 
 
+class ComplexStage(Stage):
+    """Takes real or complex tensors and returns complex ones: the pipeline sends them and their gradients."""
+
+    def forward(self, x, skip):
+        x, skip = (t.real + t.imag if t.is_complex() else t for t in (x, skip))
+        h, s = super().forward(x, skip)
+        return torch.complex(h, 0.5 * h), torch.complex(s, -s)
+
+
 class OverlapStage(Stage):
     calls = 0
 
@@ -100,6 +109,7 @@ class OverlapLinearStage(OverlapStage):
 
 
 def criterion(h, skip, y):
+    h, skip = (torch.view_as_real(t).sum(-1) if t.is_complex() else t for t in (h, skip))  # (ComplexStage's)
     return ((h - y) ** 2).mean() + (skip ** 2).mean()
 
 
@@ -338,7 +348,7 @@ def _step_error(kind, chunks, rows=None, cls=Stage, cls1=None, crit=criterion):
         world = dist.get_world_size()
         rank = dist.get_rank()
         pipe, _, _ = build(kind, world, rank, cls, cls1)
-        data = make_data(kind, world, max(chunks, 2 * world + 2))
+        data = make_data(kind, world, min(max(chunks, 2 * world + 2), 64))  # (64: a huge num_chunks' data)
         inputs, labels = step_args(kind, world, rank, data)
         if rows is not None:
             inputs = tuple(t[:rows] for t in inputs)
@@ -435,6 +445,10 @@ for _kind in ("dualpipe", "dualpipev"):
     scenario(f"np-chunks-{_kind}-2", 2)(lambda rank, world, k=_kind: train_and_compare(k, world, rank, np.int64(4)))
     scenario(f"err-float-chunks-{_kind}-2", 2)(
         lambda rank, world, k=_kind: _step_error(k, 4.0 if rank == 0 else 4))
+    scenario(f"err-huge-chunks-{_kind}-2", 2)(  # beyond the int64 words the ranks agree through, on one rank
+        lambda rank, world, k=_kind: _step_error(k, 2**63 if rank == 1 else 4))
+    scenario(f"mixed-complex-{_kind}-2", 2)(  # complex activations and gradients, sent and handed over in the V
+        lambda rank, world, k=_kind: train_and_compare(k, world, rank, 4, ComplexStage, ref_cls=ComplexStage))
 scenario("lanes-of-two-sizes-dualpipe-2", 2)(
     lambda rank, world: train_and_compare("dualpipe", world, rank, 4, rows=(ROWS, 2 * ROWS)))
 scenario("lanes-of-two-sizes-dualpipe-4", 4)(
@@ -713,6 +727,9 @@ def test_numpy_num_chunks_trains_and_a_float_is_refused_on_every_rank(kind):
     rank0, rank1 = records(f"err-float-chunks-{kind}-2")
     assert rank0["type"] == "ValueError" and "num_chunks must be an int, got 4.0" in rank0["message"], rank0
     assert rank1["type"] == "ValueError" and "rank 0 rejected its step arguments" in rank1["message"], rank1
+    rank0, rank1 = records(f"err-huge-chunks-{kind}-2")
+    assert rank1["type"] == "ValueError" and "num_chunks must be at most 2147483647" in rank1["message"], rank1
+    assert rank0["type"] == "ValueError" and "rank 1 rejected its step arguments" in rank0["message"], rank0
 
 
 @pytest.mark.parametrize("name", ["lanes-of-two-sizes-dualpipe-2", "lanes-of-two-sizes-dualpipe-4"])

@@ -490,6 +490,8 @@ def test_comm_plans_carry_each_message_once_between_its_ops(kind, ranks, chunks,
     (dict(F=float("nan")), ValueError, "F: times must be finite"),
     (dict(latency=-5.0), ValueError, "latency: times must be finite and >= 0"),
     (dict(W=3.0, B=1.0), ValueError, "W <= B"),
+    (dict(W=3.0, B=1.0, Bi=0.5), ValueError, "W <= B"),  # also with a measured split backward
+    (dict(F=1e308, B=1e308, W=0.0), ValueError, "overflows a float"),
     (dict(F="2"), TypeError, "F: give a number"),
     (dict(F=None), TypeError, "F: give a number"),
     (dict(latency=None), TypeError, "latency: give a number"),

@@ -68,6 +68,11 @@ def _abort_header(device) -> torch.Tensor:
     return torch.tensor([-1] + [0] * (HEADER_LEN - 1), dtype=torch.int64, device=device)
 
 
+def _differentiable(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` carry gradients between stages (floating point and complex)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _send_problem(outputs: list) -> str | None:
     """Why stage outputs cannot be sent to another rank, or None."""
     for i, t in enumerate(outputs):
@@ -119,6 +124,9 @@ def _saved_storages():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield storages
+
+
+MAX_CHUNKS = (1 << 31) - 1  # far above any batch's micro-batches
 
 
 def _int_arg(value, what: str, error: type[Exception]) -> int:
@@ -252,6 +260,9 @@ class _Pipeline(nn.Module):
         lane_sizes = [[0, 0] for _ in self._lanes]  # per lane: micro-batch size of its inputs, of its labels
         try:
             num_chunks = _int_arg(num_chunks, f"{type(self).__name__}.step: num_chunks", ValueError)
+            if num_chunks > MAX_CHUNKS:  # (the ranks agree on it through int64 words)
+                raise ValueError(f"{type(self).__name__}.step: num_chunks must be at most {MAX_CHUNKS}, got "
+                                 f"{num_chunks}")
             self._check_step_args(inputs, num_chunks, criterion, labels, forward_only, first_module, last_module,
                                   lane_sizes)
         except (ValueError, TypeError) as e:
@@ -430,7 +441,7 @@ class _Pipeline(nn.Module):
         return sizes.pop() if sizes else 0
 
     def _as_input(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().requires_grad_(not self._forward_only and t.is_floating_point())
+        return t.detach().requires_grad_(not self._forward_only and _differentiable(t.dtype))
 
     # ----------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
@@ -525,7 +536,7 @@ class _Pipeline(nn.Module):
             return self._losses[c], [], []
         outputs = self._outputs.pop((m, c))
         grads = iter(self._out_grads.pop((m, c)))
-        pairs = [(o, next(grads)) for o in outputs if o.is_floating_point()]
+        pairs = [(o, next(grads)) for o in outputs if _differentiable(o.dtype)]
         pairs = [(o, g) for o, g in pairs if o.requires_grad]
         return None, [o for o, _ in pairs], [g for _, g in pairs]
 
@@ -551,7 +562,7 @@ class _Pipeline(nn.Module):
         if prev is None:
             return
         grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                 for t in inputs if t.is_floating_point()]
+                 for t in inputs if _differentiable(t.dtype)]
         if prev[0] == self.rank:
             self._out_grads[(prev[1], c)] = grads
         else:
@@ -599,7 +610,7 @@ class _Pipeline(nn.Module):
                         self._inputs[(msg.dst_module, msg.chunk)] = bufs
                     else:
                         meta = [(s, d) for s, d in self._out_meta[(msg.dst_module, msg.chunk)]
-                                if d.is_floating_point]
+                                if _differentiable(d)]
                         bufs = [torch.empty(s, dtype=d, device=device) for s, d in meta]
                         self._out_grads[(msg.dst_module, msg.chunk)] = bufs
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
@@ -638,7 +649,7 @@ class _Pipeline(nn.Module):
         for msg in batch.recvs:
             if msg.kind == "act" and not self._forward_only:
                 for t in self._inputs[(msg.dst_module, msg.chunk)]:
-                    t.requires_grad_(t.is_floating_point())
+                    t.requires_grad_(_differentiable(t.dtype))
         self._finish_sends()
         self._pending_sends = (sends, sent)
 

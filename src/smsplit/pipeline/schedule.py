@@ -489,12 +489,9 @@ def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, late
     ops = schedule(kind, pp, chunks)
     F, B, W = _per_rank(F, pp, "F"), _per_rank(B, pp, "B"), _per_rank(W, pp, "W")
     FB = [f + b for f, b in zip(F, B)] if FB is None else _per_rank(FB, pp, "FB")
-    if Bi is None:
-        if any(w > b for b, w in zip(B, W)):
-            raise ValueError(f"W: the weight gradient is part of the full backward B, so W <= B; got B={B}, W={W}")
-        Bi = [b - w for b, w in zip(B, W)]
-    else:
-        Bi = _per_rank(Bi, pp, "Bi")
+    if any(w > b for b, w in zip(B, W)):
+        raise ValueError(f"W: the weight gradient is part of the full backward B, so W <= B; got B={B}, W={W}")
+    Bi = [b - w for b, w in zip(B, W)] if Bi is None else _per_rank(Bi, pp, "Bi")
     overhead = _per_rank(op_overhead, pp, "op_overhead")
     latency = _per_rank(latency, 1, "latency")[0]
 
@@ -510,6 +507,9 @@ def simulate(kind: str, pp: int, chunks: int, F=1.0, B=2.0, W=1.0, FB=None, late
         plans = ops
     timed, events = _timeline(kind, pp, plans, duration, latency, overhead)
     total = max((row[-1].end for row in timed if row), default=0.0)
+    if not math.isfinite(total):
+        raise ValueError(f"F, B, W, FB, Bi, latency, op_overhead: the step's time overflows a float (total {total}); "
+                         f"use smaller units")
     busy = [sum(t.end - t.start for t in row) for row in timed]
     peaks = []
     for ev in events:
