@@ -112,8 +112,9 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", args.ranks))
     if args.chunks and args.chunks < 2 * world:
         parser.error(f"--chunks {args.chunks}: DualPipeV with {world} ranks needs at least 2 x ranks = {2 * world}")
-    if args.batch < (args.chunks or 2 * world):
-        parser.error(f"--batch {args.batch}: needs at least one sample per micro-batch ({args.chunks or 2 * world})")
+    chunks = args.chunks or 2 * world
+    if args.batch % chunks:
+        parser.error(f"--batch {args.batch}: must split into {chunks} micro-batches of equal size (--chunks)")
     if "RANK" in os.environ:  # started by torchrun
         run_rank(args, int(os.environ["LOCAL_RANK"]))
         return

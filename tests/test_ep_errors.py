@@ -80,8 +80,6 @@ def case_argument_errors(rank, world_size):
         ("num_worst_tokens", dispatch_with(num_worst_tokens=-1)),
         ("num_worst_tokens", dispatch_with(num_worst_tokens=2**63)),  # (beyond the int64 header)
         ("num_worst_tokens", dispatch_with(num_worst_tokens=2**31)),  # (beyond int32 row indices)
-        ("num_tokens_per_expert", dispatch_with(num_tokens_per_expert=torch.full((NUM_EXPERTS,), -1,
-                                                                                 dtype=torch.int32))),
         # no tokens on one rank, its expert counts stale: its (empty) topk_idx chooses no expert
         ("num_tokens_per_expert", dispatch_with(x=torch.zeros(0, HIDDEN, dtype=torch.bfloat16),
                                                 topk_idx=torch.zeros(0, TOPK, dtype=torch.int64),
@@ -125,6 +123,13 @@ def case_argument_errors(rank, world_size):
     from_numpy_int = buffer.get_dispatch_layout(args["topk_idx"], np.int64(NUM_EXPERTS))  # an int, as in DeepEP
     from_int = buffer.get_dispatch_layout(args["topk_idx"], NUM_EXPERTS)
     assert all(torch.equal(from_numpy_int[i], from_int[i]) for i in (0, 2, 3))
+    # numpy ints reach the handle (and with it the device kernels' launches, which take Python ints) as ints
+    worst = 4 * world_size
+    plain = buffer.dispatch(**args, num_worst_tokens=worst, expert_alignment=2)
+    numpy = buffer.dispatch(**args, num_worst_tokens=np.int64(worst), expert_alignment=np.int64(2))
+    assert type(numpy[4].num_worst_tokens) is int and torch.equal(numpy[0], plain[0]) and numpy[3] == plain[3]
+    hint = Buffer.get_buffer_size_hint(np.int64(4), np.int64(HIDDEN), world_size, TOPK)
+    assert type(hint) is int and hint == Buffer.get_buffer_size_hint(4, HIDDEN, world_size, TOPK)
     expect_rejected("num_experts", lambda: buffer.get_dispatch_layout(args["topk_idx"], 2 * world_size + 1))
     expect_rejected("topk_idx", lambda: buffer.get_dispatch_layout(args["topk_idx"] + NUM_EXPERTS, NUM_EXPERTS))
 

@@ -59,7 +59,8 @@ def test_ep_moe_layer_refuses_bad_options_before_starting_ranks(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (("--chunks", "3"), "--chunks 3: DualPipeV with 2 ranks needs at least 2 x ranks = 4"),
-    (("--batch", "3"), "--batch 3: needs at least one sample per micro-batch (4)"),
+    (("--batch", "3"), "--batch 3: must split into 4 micro-batches of equal size"),
+    (("--batch", "6"), "--batch 6: must split into 4 micro-batches of equal size"),
     (("--steps", "0"), "must be at least 1"),
 ])
 def test_dualpipev_refuses_bad_options_before_starting_ranks(args, message):

@@ -87,6 +87,12 @@ def _check_backend(backend) -> None:
         raise _reject("backend", f"expected one of {BACKENDS}, got {backend!r}")
 
 
+def _plain_int(value):
+    """A numpy (or other) integer as a Python int, which the kernels' launches take; anything else as it is (for
+    the checks to name)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
 MAX_ROWS = (1 << 31) - 1  # received rows are named by int32 indices (recv_src_idx, the layouts' positions)
 MAX_COUNT = (1 << 62) - 1  # a count or size above this cannot be a real one and would overflow the int64 header
 
@@ -315,6 +321,7 @@ class Buffer:
                 raise _reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels "
                                                   "exist here")
             _check_backend(backend)
+            num_nvl_bytes = _plain_int(num_nvl_bytes)
             _check_int("num_nvl_bytes", num_nvl_bytes, 0)
             if num_sms is not None:
                 num_sms = _sms_count("num_sms", num_sms)
@@ -458,8 +465,8 @@ class Buffer:
         for name, value, minimum in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 0), ("hidden", hidden, 1),
                                      ("num_ranks", num_ranks, 1), ("num_topk", num_topk, 0)):
             _check_int(name, value, minimum)
-        return Buffer._size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, x_dtype, fp8, combine_dtype,
-                                 backend)
+        return int(Buffer._size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, x_dtype, fp8,
+                                     combine_dtype, backend))
 
     @staticmethod
     def _size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
@@ -524,6 +531,7 @@ class Buffer:
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             event: the event after the computation (meaningful only with `async_finish` on CUDA).
         """
+        num_experts = _plain_int(num_experts)
         _check_int("num_experts", num_experts, 1)
         _check_event(previous_event)
         if num_experts % self.group_size:
@@ -615,6 +623,7 @@ class Buffer:
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
         self._check_alive()
+        expert_alignment, num_worst_tokens = _plain_int(expert_alignment), _plain_int(num_worst_tokens)
         float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
         grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
         grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
