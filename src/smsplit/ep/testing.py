@@ -289,7 +289,7 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
                 continue
             if kind == "ready":
                 ready.add(rank)
-                if len(ready) == world_size:
+                if len(ready) == world_size and not failures:  # (after a failure its shorter wait stands)
                     deadline = time.monotonic() + timeout_s
                     waited = f"did not return within {timeout_s} s"
             elif kind == "done":
