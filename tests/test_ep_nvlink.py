@@ -385,10 +385,9 @@ NVLINK_CASES = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
-    cases = NVLINK_CASES
-    mp.spawn(_worker, args=(2, free_port(), cases), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), NVLINK_CASES), nprocs=2, join=True)
     # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed, or staged and copied)
-    mp.spawn(_worker, args=(2, free_port(), cases, "nvlink_copy_engine"), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), NVLINK_CASES, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
 def _gather_rank_and_transport_hooks(rank, world, group):

@@ -45,26 +45,19 @@ def test_ep_moe_layer_reports_a_mismatch():
     assert "MISMATCH" in done.stdout and not ok_ranks(done.stdout), done.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--backend", "nvlink"), "--backend nvlink needs --device cuda"),
-    (("--hidden", "100"), "--hidden 100: a multiple of 128"),
-    (("--topk", "9"), "--topk 9: between 1 and --experts (8)"),
-    (("--experts", "7"), "--experts 7 must be a multiple of --ranks 2"),
-    (("--ranks", "0"), "must be at least 1"),
+@pytest.mark.parametrize("name, args, message", [
+    ("ep_moe_layer.py", ("--backend", "nvlink"), "--backend nvlink needs --device cuda"),
+    ("ep_moe_layer.py", ("--hidden", "100"), "--hidden 100: a multiple of 128"),
+    ("ep_moe_layer.py", ("--topk", "9"), "--topk 9: between 1 and --experts (8)"),
+    ("ep_moe_layer.py", ("--experts", "7"), "--experts 7 must be a multiple of --ranks 2"),
+    ("ep_moe_layer.py", ("--ranks", "0"), "must be at least 1"),
+    ("dualpipev.py", ("--chunks", "3"), "--chunks 3: DualPipeV with 2 ranks needs at least 2 x ranks = 4"),
+    ("dualpipev.py", ("--batch", "3"), "--batch 3: must split into 4 micro-batches of equal size"),
+    ("dualpipev.py", ("--batch", "6"), "--batch 6: must split into 4 micro-batches of equal size"),
+    ("dualpipev.py", ("--steps", "0"), "must be at least 1"),
 ])
-def test_ep_moe_layer_refuses_bad_options_before_starting_ranks(args, message):
-    done = run_example("ep_moe_layer.py", *args)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
-
-
-@pytest.mark.parametrize("args, message", [
-    (("--chunks", "3"), "--chunks 3: DualPipeV with 2 ranks needs at least 2 x ranks = 4"),
-    (("--batch", "3"), "--batch 3: must split into 4 micro-batches of equal size"),
-    (("--batch", "6"), "--batch 6: must split into 4 micro-batches of equal size"),
-    (("--steps", "0"), "must be at least 1"),
-])
-def test_dualpipev_refuses_bad_options_before_starting_ranks(args, message):
-    done = run_example("dualpipev.py", *args)
+def test_examples_refuse_bad_options_before_starting_ranks(name, args, message):
+    done = run_example(name, *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
