@@ -14,6 +14,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from smsplit import ptx
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -25,8 +30,6 @@ FIGURES = Path(__file__).resolve().parent / "figures"
 
 def environment() -> dict:
     """Machine, date, command and versions, for the head of every result file."""
-    import triton
-
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
@@ -128,18 +131,6 @@ def join_nccl(rank: int, world: int, port: int) -> torch.device:
     return dev
 
 
-def symmetric_with_next(numel: int, dtype: torch.dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """A symmetric-memory buffer of ``numel`` elements on every rank of the default group, and this rank's view of
-    the next rank's (``rank + 1`` mod world, across NVLink): ``(own, next_ranks)``."""
-    import torch.distributed as dist
-
-    from smsplit.ep.transport import symmetric_buffer
-
-    buf, handle = symmetric_buffer(numel, dtype, dist.group.WORLD, dev)
-    peer = (dist.get_rank() + 1) % dist.get_world_size()
-    return buf, handle.get_buffer(peer, (numel,), dtype, storage_offset=0)
-
-
 def routed_tokens(rank: int, world: int, dev, tokens: int = 4096, hidden: int = 7168, experts: int = 256,
                   topk: int = 8):
     """One rank's EP benchmark inputs, seeded by its rank: bf16 tokens, uniform random top-k expert ids and
@@ -163,29 +154,6 @@ def add_shape_arguments(parser) -> None:
     parser.add_argument("--topk", type=int, default=8)
 
 
-def copy_engine_combine_inputs(rank: int, world: int, dev, num_sms: int):
-    """DeepSeek-V3 shape (4096 tokens x 7168, 256 experts, top-8) on a ``bulk="copy_engine"`` `NvlinkTransport` of
-    ``num_sms`` SMs: the routed inputs (`routed_tokens`), a dispatch padded to every token (``num_worst_tokens``)
-    for its layout, and random expert outputs ``y`` to combine; the combine's copies planned. Returns a namespace
-    with ``tr, x, topk, weights, in_rank, num_local, worst, layout, y``."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    from smsplit.ep.nvlink import NvlinkTransport
-
-    T, H, E, K = 4096, 7168, 256, 8
-    x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
-    num_local, worst = E // world, world * T
-    tr = NvlinkTransport(dist.group.WORLD, dev, num_sms=num_sms, max_tokens=T, hidden=H, max_topk=K, bulk="copy_engine")
-    *_, layout = tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
-    y = torch.randn(worst, H, generator=g).to(dev, torch.bfloat16)
-    tr.combine(y, None, layout)
-    torch.cuda.synchronize()
-    return SimpleNamespace(tr=tr, x=x, topk=topk, weights=weights, in_rank=in_rank, num_local=num_local, worst=worst,
-                           layout=layout, y=y)
-
-
 def capture_graph(fn, dev) -> torch.cuda.CUDAGraph:
     """``fn`` run once on a side stream (compiles kernels, plans copies), then captured in a CUDA graph."""
     side = torch.cuda.Stream(dev)
@@ -198,28 +166,6 @@ def capture_graph(fn, dev) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
-
-
-def replays_one_at_a_time(graph, rank: int, warmup: int, reps: int, check, before=None):
-    """Replay ``graph`` ``warmup + reps`` times, each after the GPU is idle and every rank has met at a host barrier
-    (``before()`` first, when given, e.g. to poison what the replay must overwrite); ``check()`` after each. Yields,
-    for each replay after the warm-up, its CUDA-event time in us."""
-    import torch.distributed as dist
-
-    for i in range(warmup + reps):
-        torch.cuda.synchronize()
-        if before is not None:
-            before()
-            torch.cuda.synchronize()
-        dist.barrier(device_ids=[rank])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        check()
-        if i >= warmup:
-            yield start.elapsed_time(end) * 1e3
 
 
 def run_ranks(worker, world: int, args):
@@ -400,3 +346,112 @@ def interleaved_rounds(budget, gemm, copy, rounds: int, repeat: int, n_gemm: int
         out.append(got)
     return out
 
+# ------------------------------------------------------------------------------------------ started together
+# Timing a collective call from the moment every rank's GPU is ready, on the GPU clock. Timed one call at a time
+# with CUDA events, each rank's time also holds how long its GPU waits for the others (after a host barrier the
+# ranks' graphs start tens to a hundred microseconds apart) and the graph's launch. DeepEP's profiled benchmark
+# (`bench_kineto` with `barrier_comm_profiling`) aligns the ranks with a GEMM and an all-reduce before each
+# profiled call. Here the call is captured in a CUDA graph between two one-thread kernels: a barrier (it adds 1 to
+# its word on every rank, ``atom.release.sys`` over NVLink, waits until every rank's word on this GPU has arrived,
+# then reads ``%globaltimer``) and a stamp (it reads ``%globaltimer`` once the call's work on the stream is done).
+# The call's time is the stamp minus the barrier's exit, on one GPU's clock: the ranks start within the flags'
+# latency of each other (a microsecond or two) whenever their hosts launch the graphs. The barrier's round count
+# lives on the device, so a graph replays it. Each wait is bounded; a wait that times out is counted and
+# `StartTogether.check()` raises on it, so an unaligned figure is never reported as aligned. (A barrier before a
+# CUDA start event, with a hold for the host to queue the call, left one rank's call starting about a hold later
+# than the other's; this version needs no host timing.)
+
+
+@triton.jit
+def barrier_kernel(bases_ptr, round_ptr, missed_ptr, stamp_ptr, rank, R, timeout_ns):
+    """Round r = ``*round_ptr`` + 1: add 1 to word ``rank`` of every rank's counters (``bases_ptr``: their
+    addresses), wait until every word of this rank's counters is >= r (a wait that times out adds 1 to
+    ``*missed_ptr``), then store the GPU clock in ``*stamp_ptr``. One warp."""
+    target = tl.load(round_ptr, volatile=True) + 1
+    tl.store(round_ptr, target)
+    for d in range(R):
+        ptx.atom_add_release_sys(tl.load(bases_ptr + d).to(tl.pointer_type(tl.int32)) + rank, 1)
+    own = tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int32))
+    missed = 0
+    for s in range(R):
+        seen = ptx.wait_geq_sys(own + s, target, timeout_ns)
+        missed += (seen < target).to(tl.int32)
+    tl.debug_barrier()  # every thread after thread 0's waits
+    tl.atomic_add(missed_ptr, missed)
+    tl.store(stamp_ptr, ptx.globaltimer())
+
+
+@triton.jit
+def stamp_kernel(stamp_ptr):
+    """Store the GPU clock in ``*stamp_ptr``."""
+    tl.store(stamp_ptr, ptx.globaltimer())
+
+
+class StartTogether:
+    """``graph(fn)`` captures ``fn`` between the barrier and the stamp; ``times_ms(graph)`` replays it and returns
+    each replay's time from the barrier's exit to the stamp. Every rank of the default group must capture and replay
+    the same graphs in the same order."""
+
+    def __init__(self, dev: torch.device, timeout_s: float = 10.0):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.dev, self.rank, self.world = dev, dist.get_rank(), dist.get_world_size()
+        self.counters = symm_mem.empty(self.world, dtype=torch.int32, device=dev)
+        self.counters.zero_()
+        handle = symm_mem.rendezvous(self.counters, group)
+        self.bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=dev)
+        self.round = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.missed = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.stamps = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.timeout_ns = int(timeout_s * 1e9)
+        torch.cuda.synchronize(dev)
+        dist.barrier(device_ids=[dev.index])
+
+    def barrier(self) -> None:
+        """Queue the barrier (its exit time to ``stamps[0]``) on the current stream."""
+        barrier_kernel[(1,)](self.bases, self.round, self.missed, self.stamps, self.rank, self.world, self.timeout_ns,
+                             num_warps=1)
+
+    def stamp(self) -> None:
+        """Queue the stamp (the time to ``stamps[1]``) on the current stream."""
+        stamp_kernel[(1,)](self.stamps[1:], num_warps=1)
+
+    def graph(self, fn) -> torch.cuda.CUDAGraph:
+        """``fn`` between the barrier and the stamp, run once on a side stream (compiles; every rank meets once),
+        then captured."""
+        def step():
+            self.barrier()
+            fn()
+            self.stamp()
+
+        return capture_graph(step, self.dev)
+
+    def times_ms(self, graph: torch.cuda.CUDAGraph, warmup: int = 3, repeat: int = 20) -> list[float]:
+        """Milliseconds from the barrier's exit to the stamp, for each of ``repeat`` replays after ``warmup``; the
+        GPU idle before each (a synchronization). Raises if a barrier wait timed out."""
+        times = []
+        for i in range(warmup + repeat):
+            torch.cuda.synchronize(self.dev)
+            graph.replay()
+            torch.cuda.synchronize(self.dev)
+            start, end = self.stamps.tolist()
+            if i >= warmup:
+                times.append((end - start) / 1e6)
+        self.check()
+        return times
+
+    def median_ms(self, fn, warmup: int = 3, repeat: int = 20) -> float:
+        """The median of `times_ms` for ``fn`` in a graph of its own."""
+        graph = self.graph(fn)
+        ms = statistics.median(self.times_ms(graph, warmup, repeat))
+        del graph
+        return ms
+
+    def check(self) -> None:
+        missed = int(self.missed.item())
+        if missed:
+            raise RuntimeError(f"rank {self.rank}, start-together barrier: {missed} waits timed out (the ranks did "
+                               "not start together)")

@@ -15,7 +15,7 @@ Graph replays, NCCL and the copy-engine copy are timed three ways: one call betw
 GPU idle before it: the graph's launch latency and the ranks' skew included), QUEUED calls between two
 events divided by QUEUED (the steady state of calls queued back to back, as in a training step), and one call
 started together on every rank (captured in a graph of its own after a device-side barrier and timed from the
-barrier's exit to a stamp after it on the GPU clock, `start_together.py`: the call's own time, as DeepEP's
+barrier's exit to a stamp after it on the GPU clock, `common.StartTogether`: the call's own time, as DeepEP's
 profiled benchmark (`bench_kineto` with `barrier_comm_profiling`) aligns the ranks with a GEMM and an all-reduce
 before each profiled call; its tuning loop (`bench`) times calls queued back to back, the "5 queued" way).
 
@@ -41,10 +41,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_shape_arguments, capture_graph, end_worker, environment,  # noqa: E402
+from common import (StartTogether, add_shape_arguments, capture_graph, end_worker, environment,  # noqa: E402
                     exit_if_roundtrips_failed, interleaved_rounds, join_nccl, max_over_ranks, routed_tokens, run_ranks,
                     time_ms, write_result)
-from start_together import StartTogether  # noqa: E402
 from tables import add_ep_rates  # noqa: E402
 
 

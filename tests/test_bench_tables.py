@@ -1,5 +1,6 @@
-"""bench/tables.py and bench/ep.py's CPU parts (CPU): the EP table is the stored result's numbers, the byte counts
-and GB/s follow the documented convention, and bench/ep.py refuses arguments it cannot run."""
+"""bench/tables.py and bench/ep.py's CPU parts (CPU): BENCHMARKS.md is the page tables.py prints from the stored
+results, a field an older result lacks reads "not recorded", the byte counts and GB/s follow the documented
+convention, and bench/ep.py refuses arguments it cannot run."""
 
 import argparse
 import contextlib
@@ -22,15 +23,71 @@ def stored_ep():
     return json.loads((ROOT / "bench" / "results" / "ep.json").read_text())
 
 
-def test_ep_table_is_the_published_table():
+def printed(fn, *args) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        tables.ep()
-    published = (ROOT / "BENCHMARKS.md").read_text()
-    lines = [line for line in out.getvalue().splitlines() if line.startswith("|")]
-    assert len(lines) > 40
-    for line in lines:
-        assert line in published, line
+        fn(*args)
+    return out.getvalue()
+
+
+def test_benchmarks_page_is_printed_from_the_stored_results():
+    assert printed(tables.benchmarks) == (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_every_section_names_its_result_file_and_command():
+    for section, name in ((tables.sm_split, "sm_split"), (tables.ep, "ep"), (tables.ep_buffer, "ep_buffer"),
+                          (tables.pipeline, "pipeline"), (tables.moe_overlap, "moe_overlap")):
+        text = printed(section)
+        command = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
+        command = command.get("env", command)["command"]
+        assert f"Command: `{command}` (result: `bench/results/{name}.json`)" in text, name
+
+
+def test_ep_table_is_the_stored_run_with_baselines_and_quoted_deepep():
+    lines = [line for line in printed(tables.ep).splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(tables.EP_TABLE_OPS)
+    d = stored_ep()
+    g = next(r for r in d["graph_rows"] if r["transport"] == "nvlink_copy_engine" and r["comm_sms"] == 20)
+    bf16 = lines[2].split(" | ")
+    assert bf16[1] == " / ".join(f"{g[k] * 1e3:.1f}" for k in (
+        "dispatch_bf16_graph_ms", "dispatch_bf16_graph_queued_ms", "dispatch_bf16_graph_aligned_ms"))
+    assert bf16[4] == " / ".join(f"{d[k] * 1e3:.1f}" for k in (
+        "nccl_all_to_all_ms", "nccl_all_to_all_queued_ms", "nccl_all_to_all_aligned_ms"))
+    assert bf16[5] == " / ".join(f"{d[k] * 1e3:.1f}" for k in (
+        "copy_engine_ms", "copy_engine_queued_ms", "copy_engine_aligned_ms"))
+    assert bf16[6] == "404 |" and lines[0].endswith("(quoted from the design notes, measured apart) |")
+    fp8 = lines[3].split(" | ")
+    assert fp8[4] == fp8[5] == "—"  # NCCL and the ceiling moved BF16 rows, not these bytes
+    at_16 = [line for line in printed(tables.ep, "ep", "16").splitlines() if line.startswith("| BF16")]
+    assert at_16[0].endswith("| — |")  # no DeepEP figure quoted at 16 SMs
+
+
+def test_fields_an_older_result_lacks_read_not_recorded(tmp_path, monkeypatch):
+    d = stored_ep()
+    for key in ("nccl_all_to_all_aligned_ms", "nccl_all_to_all_queued_ms", "nccl_all_to_all_ms"):
+        del d[key]
+    for r in d["graph_rows"]:
+        r.pop("dispatch_fp8_input_graph_aligned_ms")
+    d["graph_rows"][0]["combine_graph_ms"] = None  # recorded as not measured
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    text = printed(tables.ep, "old", "8")
+    bf16 = next(line for line in text.splitlines() if line.startswith("| BF16")).split(" | ")
+    assert bf16[4] == "not recorded"
+    fp8_input = next(line for line in text.splitlines() if line.startswith("| FP8 dispatch of FP8")).split(" | ")
+    assert fp8_input[1].endswith(" / not recorded") and fp8_input[2].endswith(" / not recorded")
+    combine = next(line for line in text.splitlines() if line.startswith("| combine (BF16)")).split(" | ")
+    assert combine[2].startswith("n/a / ")  # graph_rows[0] is nvlink at 8 SMs
+
+
+def test_eager_buffer_table_marks_calls_the_run_did_not_time():
+    text = printed(tables.ep_buffer)
+    d = json.loads((ROOT / "bench" / "results" / "ep_buffer.json").read_text())
+    nvlink = next(r for r in d["rows"] if r["backend"] == "nvlink")
+    combine = next(line for line in text.splitlines() if line.startswith("| combine |")).split(" | ")
+    assert combine[1] == f"{nvlink['buffer_combine_ms'] * 1e3:.0f} / {nvlink['buffer_combine_queued_ms'] * 1e3:.0f}"
+    assert combine[-1] == "442 |"
+    assert "| FP8 dispatch of FP8 input, cached | " in text and "/ not recorded | not recorded |" in text
 
 
 def test_ep_rates_follow_the_convention_and_keep_the_stored_figures():
@@ -67,18 +124,6 @@ def test_ep_rates_table_prints_every_time():
     d = stored_ep()
     rows = [line for line in out.getvalue().splitlines() if line.startswith("| nvlink") or line.startswith("| copy")]
     assert len(rows) == len(d["rows"]) + 3 * len(d["graph_rows"])
-
-
-def test_concurrent_line_reports_the_comm_slowdown_when_measured():
-    d = stored_ep()
-    c = d["concurrent"][0]
-    c.update(comm_alone_queued=5, comm_slowdown=0.02, comm_slowdown_rounds=[0.01, 0.03])
-    d["concurrent"] = [c]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tables.json, "loads", lambda _: d)
-        tables.ep()
-    assert "slowdown beside the GEMM, median of the rounds: +2.0% (rounds +1.0, +3.0%)" in out.getvalue()
 
 
 @pytest.mark.parametrize("argv, gpus, message", [
