@@ -9,7 +9,7 @@ from PIL import Image
 
 from smsplit import ptx
 from smsplit.copy import persistent_copy_kernel, sm_copy
-from smsplit.trace import Trace, _probe_kernel
+from smsplit.trace import Trace, _probe_kernel, _spin_kernel, comm_beside_gemm
 
 
 def synthetic_trace():
@@ -116,6 +116,8 @@ def test_bad_records_are_rejected():
 def test_traced_kernels_compile_for_sm90():
     ptx_text, _ = ptx.compile_for_sm90(_probe_kernel, {"trace_ptr": "*i64", "tag": "i32", "spin_ns": "i64"})
     assert "%smid" in ptx_text and "%globaltimer" in ptx_text
+    gate_text, _ = ptx.compile_for_sm90(_spin_kernel, {"spin_ns": "i64"}, num_warps=1)
+    assert "%globaltimer" in gate_text
     sig = {"src": "*i32", "dst": "*i32", "n_vec": "i64", "trace_ptr": "*i64", "tag": "i32",
            "BLOCK": "constexpr", "TRACE": "constexpr"}
     traced, _ = ptx.compile_for_sm90(persistent_copy_kernel, sig, {"BLOCK": 2048, "TRACE": True}, num_warps=8)
@@ -248,3 +250,86 @@ def test_copy_arguments_triton_would_reject_are_value_errors_first(kwargs, messa
     kwargs.setdefault("num_programs", 4)
     with pytest.raises(ValueError, match=message):
         sm_copy(torch.empty(64), torch.empty(64), **kwargs)
+
+
+def concurrency_trace():
+    """Copies on SMs 0-1 and a GEMM span on SMs 2-3, hand-made (ns): the copies run 100-300, 250-400 (SM 1)
+    and 900-1000; the GEMM 200-800; a probe on SM 0 at 0-1000 that counts as neither."""
+    tags = [("copy", "comm"), ("gemm", "compute"), ("gemm probe", "probe")]
+    rows = [(0, 100, 300, 0), (1, 250, 400, 0), (0, 900, 1000, 0), (2, 200, 800, 1), (3, 200, 800, 1),
+            (0, 0, 1000, 2)]
+    return Trace.from_records(rows, tags)
+
+
+def test_concurrent_and_alone_time_from_hand_made_records():
+    trace = concurrency_trace()
+    assert trace.busy_intervals("comm") == [(100, 400), (900, 1000)]
+    assert trace.busy_ns("comm") == 400 and trace.busy_ns("compute") == 600
+    assert trace.concurrent_ns() == 200  # 200-400
+    assert trace.alone_ns() == 200  # 100-200 and 900-1000
+    assert trace.alone_ns("compute", "comm") == 400  # 400-800
+    assert trace.concurrent_ns("comm", "probe") == 400  # probes are a kind of their own
+    line = trace.timing_line()
+    assert "both at once 0.00 ms" in line  # ns shown in ms
+    big = Trace.from_records([(r[0], r[1] * 10_000, r[2] * 10_000, r[3]) for r in trace.records()], trace.tags)
+    assert big.timing_line() == ("comm ran 4.00 ms, compute 6.00 ms; both at once 2.00 ms, comm alone 2.00 ms")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        trace.busy_ns("network")
+
+
+def test_concurrent_time_of_random_records_matches_a_time_grid():
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(40):
+        start = int(rng.integers(0, 500))
+        rows.append((int(rng.integers(0, 8)), start, start + int(rng.integers(0, 80)), int(rng.integers(0, 2))))
+    trace = Trace.from_records(rows, [("c", "comm"), ("g", "compute")])
+    grid = np.zeros((2, 600), dtype=bool)
+    for _, start, end, tag in rows:
+        grid[tag, start:end] = True
+    assert trace.concurrent_ns() == (grid[0] & grid[1]).sum()
+    assert trace.alone_ns() == (grid[0] & ~grid[1]).sum()
+    assert trace.busy_ns("compute") == grid[1].sum()
+
+
+def test_the_picture_of_a_trace_with_both_kinds_draws(tmp_path):
+    concurrency_trace().save_png(tmp_path / "both.png", title="hand-made")
+    assert (tmp_path / "both.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(gemm_n=0), dict(gemms=1.5), dict(copy_mib=True), dict(gate_ns=-1)])
+def test_comm_beside_gemm_refuses_bad_sizes_before_touching_the_budget(kwargs):
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        comm_beside_gemm(None, **kwargs)
+
+
+def _budget(comm_sms):
+    from smsplit.budget import SmBudget, SmBudgetError
+
+    try:
+        return SmBudget(comm_sms, mode="green")
+    except SmBudgetError:  # no green contexts here: the grid split (not isolated)
+        return SmBudget(comm_sms, mode="grid")
+
+
+@pytest.mark.gpu
+def test_the_copy_runs_beside_the_gemms_for_most_of_its_time():
+    with _budget(24) as budget:
+        trace = comm_beside_gemm(budget)
+        isolated = budget.isolated
+    comm, compute = trace.busy_ns("comm"), trace.busy_ns("compute")
+    assert comm > 0 and compute > 0
+    assert trace.concurrent_ns() >= 0.5 * min(comm, compute), trace.timing_line()
+    if isolated:
+        assert trace.shared_sms() == set()
+
+
+@pytest.mark.gpu
+def test_smsplit_trace_reports_the_time_both_ran_at_once(tmp_path, capsys):
+    from smsplit.cli import main
+
+    assert main(["trace", "--out", str(tmp_path), "--comm-sms", "24"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["concurrent_ms"] >= 0.5 * min(summary["comm_ms"], summary["compute_ms"]) > 0, summary
+    assert "both at once" in capsys.readouterr().out
+    assert (tmp_path / "sm_trace.png").stat().st_size > 0

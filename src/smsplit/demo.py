@@ -40,8 +40,7 @@ Run `smsplit info` on a GPU machine to see its SMs, NVLink peers and green-conte
 
 def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
     from smsplit.budget import SmBudget, SmBudgetError
-    from smsplit.copy import sm_copy
-    from smsplit.trace import Trace
+    from smsplit.trace import comm_beside_gemm
 
     try:
         budget = SmBudget(comm_sms, mode="green")
@@ -50,35 +49,18 @@ def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
         budget = SmBudget(comm_sms, mode="grid")
     with budget:
         console.print(f"budget: {budget}")
-        n = 8192
-        a = torch.randn(n, n, device=budget.device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=budget.device, dtype=torch.bfloat16)
-        src = torch.randn(64 * 2**20, device=budget.device)
-        dst = torch.empty_like(src)
-        for stream, fn in ((budget.compute_stream, lambda: a @ b), (budget.comm_stream, lambda: sm_copy(dst, src, budget.comm_sms))):
-            with torch.cuda.stream(stream):
-                fn()
-        torch.cuda.synchronize()
-        trace = Trace(budget.device)
         start = time.perf_counter()
-        with trace.span(budget.compute_stream, "GEMM 8192^3 (cuBLAS)", kind="compute"):
-            with torch.cuda.stream(budget.compute_stream):
-                for _ in range(4):
-                    a @ b
-        with torch.cuda.stream(budget.comm_stream):
-            for _ in range(4):
-                sm_copy(dst, src, budget.comm_sms, trace=trace, name="copy (smsplit)", kind="comm")
-        torch.cuda.synchronize()
+        trace = comm_beside_gemm(budget)
         elapsed = time.perf_counter() - start
-        if not torch.equal(dst, src):
-            raise RuntimeError("the comm kernel's copy differs from its source")
         trace.save_png(out / "sm_trace.png", title=repr(budget), num_sms=budget.total_sms)
         trace.save_chrome(out / "sm_trace.json")
         comm, compute = trace.sms(kind="comm"), trace.sms(kind="compute")
         summary = {"budget": repr(budget), "comm_sms_used": len(comm), "compute_sms_used": len(compute),
-                   "shared_sms": sorted(comm & compute), "wall_s": elapsed}
+                   "shared_sms": sorted(comm & compute), "comm_ms": trace.busy_ns("comm") / 1e6,
+                   "compute_ms": trace.busy_ns("compute") / 1e6, "concurrent_ms": trace.concurrent_ns() / 1e6,
+                   "comm_alone_ms": trace.alone_ns() / 1e6, "wall_s": elapsed}
         console.print(f"comm kernel ran on {len(comm)} SMs, GEMM on {len(compute)} SMs, "
-                      f"shared: {len(comm & compute)}")
+                      f"shared: {len(comm & compute)}; {trace.timing_line()}")
         return summary
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from smsplit import intervals
 from smsplit.pipeline.weight_grad import WeightGradStore
 
 COMPUTE, COMM = "compute", "comm"
@@ -52,20 +53,25 @@ class PieceRunner:
         self.record, self.trace = record, trace
         self.intervals: list[Interval] = []
 
-    def run(self, kind: str, name: str, chain, fn: Callable, tensors=()):
+    def run(self, kind: str, name: str, chain, fn: Callable, tensors=(), waits=()):
         """Run ``fn()`` as piece ``name`` of micro-batch ``chain`` (anything with an ``event`` attribute)
-        after that micro-batch's previous piece. ``tensors``: tensors made elsewhere that ``fn`` reads.
+        after that micro-batch's previous piece and after every CUDA event of ``waits`` (None entries are
+        skipped). ``tensors``: tensors made elsewhere that ``fn`` reads.
+
+        The recorded interval starts when the piece's stream has passed all these waits, so time a
+        stream spends waiting for another piece is not counted as this piece's (see `exposed_comm`).
+        Waits that ``fn`` itself issues fall inside the interval: pass them as ``waits`` instead.
 
         An exception out of ``fn`` gets the note ``piece 'name'`` (`piece_of` reads it back): a peer's timeout
         in a dispatch then says which layer, and whether forward or backward, it was in."""
         try:
-            return self._run(kind, name, chain, fn, tensors)
+            return self._run(kind, name, chain, fn, tensors, waits)
         except Exception as error:
             if piece_of(error) is None:  # (the innermost piece names it)
                 error.add_note(f"{_PIECE_NOTE}{name!r}")
             raise
 
-    def _run(self, kind: str, name: str, chain, fn: Callable, tensors):
+    def _run(self, kind: str, name: str, chain, fn: Callable, tensors, waits):
         stream = self.streams[kind]
         if stream is None:
             start = time.perf_counter()
@@ -74,11 +80,14 @@ class PieceRunner:
                 self.intervals.append(Interval(kind, name, start, time.perf_counter()))
             return result
         with torch.cuda.stream(stream):
-            if chain.event is not None:
-                stream.wait_event(chain.event)
+            for event in (*waits, chain.event):
+                if event is not None:
+                    stream.wait_event(event)
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(stream)
+            # Recorded after every wait: the stream reaches this event only once the waits are satisfied,
+            # so the interval holds the piece's own kernels, not the time its stream sat blocked.
             start = _event() if self.record else None
             if self.trace is not None:
                 with self.trace.span(stream, name, kind=kind):
@@ -110,23 +119,38 @@ class PieceRunner:
 
     def exposed_comm(self) -> dict:
         """Times of the recorded pieces (synchronizes): ``step_s`` from the first start to the last end,
-        ``comm_s`` / ``compute_s`` the union of each kind's intervals, ``exposed_comm_s`` the time in
-        which communication ran and no compute did, and ``exposed_fraction`` = exposed / step."""
-        if not self.intervals:
-            return dict(step_s=0.0, comm_s=0.0, compute_s=0.0, exposed_comm_s=0.0, exposed_fraction=0.0)
-        first = self.intervals[0].start
+        ``comm_s`` / ``compute_s`` the time covered by each kind's intervals, ``exposed_comm_s`` the time in
+        which communication ran and no compute did, and ``exposed_fraction`` = exposed / step.
+
+        A piece's interval starts once its stream has passed the waits `run` issued for it, so compute
+        counts only from when a compute piece could execute, not while its stream waited for (say) a
+        communication piece; see `piece_times` for the arithmetic."""
+        first = self.intervals[0].start if self.intervals else None
         if isinstance(first, torch.cuda.Event):
             torch.cuda.synchronize()
-            span = [(iv.kind, first.elapsed_time(iv.start) / 1e3, first.elapsed_time(iv.end) / 1e3)
-                    for iv in self.intervals]
+            spans = [(iv.kind, first.elapsed_time(iv.start) / 1e3, first.elapsed_time(iv.end) / 1e3)
+                     for iv in self.intervals]
         else:
-            span = [(iv.kind, iv.start - first, iv.end - first) for iv in self.intervals]
-        step = max(e for _, _, e in span) - min(s for _, s, _ in span)
-        comm = _union([(s, e) for k, s, e in span if k == COMM])
-        compute = _union([(s, e) for k, s, e in span if k == COMPUTE])
-        exposed = _measure(comm) - _measure(_intersect(comm, compute))
-        return dict(step_s=step, comm_s=_measure(comm), compute_s=_measure(compute), exposed_comm_s=exposed,
-                    exposed_fraction=exposed / step if step > 0 else 0.0)
+            spans = [(iv.kind, iv.start - first, iv.end - first) for iv in self.intervals]
+        return piece_times(spans)
+
+
+def piece_times(spans) -> dict:
+    """`PieceRunner.exposed_comm` of pieces given as ``(kind, start_s, end_s)``: ``step_s`` (first start to
+    last end), ``comm_s`` and ``compute_s`` (time covered by each kind, overlaps counted once),
+    ``exposed_comm_s`` (communication running while no compute runs) and ``exposed_fraction``."""
+    spans = list(spans)
+    if not spans:
+        return dict(step_s=0.0, comm_s=0.0, compute_s=0.0, exposed_comm_s=0.0, exposed_fraction=0.0)
+    for kind, start, end in spans:
+        if end < start:
+            raise ValueError(f"a {kind} piece ends ({end}) before it starts ({start})")
+    step = max(e for _, _, e in spans) - min(s for _, s, _ in spans)
+    comm = [(s, e) for k, s, e in spans if k == COMM]
+    compute = [(s, e) for k, s, e in spans if k == COMPUTE]
+    exposed = intervals.alone(comm, compute)
+    return dict(step_s=step, comm_s=intervals.measure(comm), compute_s=intervals.measure(compute),
+                exposed_comm_s=exposed, exposed_fraction=exposed / step if step > 0 else 0.0)
 
 
 _PIECE_NOTE = "piece "
@@ -141,33 +165,6 @@ def _event():
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
-
-
-def _union(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def _intersect(a, b):
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _measure(intervals):
-    return sum(e - s for s, e in intervals)
 
 
 INLINE = PieceRunner()
@@ -358,9 +355,7 @@ def interleave(runner: PieceRunner, f_pieces: list, f_inputs: tuple, b_tape: Tap
 
     def run_w(items):
         for fns, after in items:
-            if runner.on_streams and after is not None:
-                runner.streams[COMPUTE].wait_event(after)
-            runner.run(COMPUTE, "W", w_chain, lambda fns=fns: _run_closures(fns))
+            runner.run(COMPUTE, "W", w_chain, lambda fns=fns: _run_closures(fns), waits=(after,))
 
     def run_pending_w():
         items = pending_w.copy()
