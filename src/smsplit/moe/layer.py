@@ -41,9 +41,8 @@ def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
 def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: str) -> torch.Tensor:
     if a.numel() == 0 or b.numel() == 0:
         # No rows, or (weight form) no tokens in any group: zeros, without asking torch._grouped_mm. Its CUDA check
-        # refuses a zero-length contraction whatever the strides in some torch versions (pytorch/pytorch PR #192497;
-        # torch 2.11 on an H200 took it: bench/device/session35_grouped_mm_probe.py); where it raises, the first call
-        # would switch this key to the loop for good.
+        # refuses a zero-length contraction whatever the strides in some torch versions (pytorch/pytorch PR #192497);
+        # where it raises, the first call would switch this key to the loop for good.
         if a.dim() == 2 and b.dim() == 3:
             return a.new_zeros(a.size(0), b.size(-1))
         return a.new_zeros(offs.numel(), a.size(0), b.size(-1))
