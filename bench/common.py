@@ -173,7 +173,7 @@ def run_ranks(worker, world: int, args):
     what rank 0 put on the queue. Raises if a worker fails."""
     import torch.multiprocessing as mp
 
-    from smsplit.ep.testing import free_port
+    from smsplit.launch import free_port
 
     queue = mp.get_context("spawn").Queue()
     mp.spawn(worker, args=(world, free_port(), args, queue), nprocs=world, join=True)

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FIGURES, environment, max_difference, poison, poison_grads, write_result  # noqa: E402
 
-from smsplit.ep.testing import free_port  # noqa: E402
+from smsplit.launch import free_port  # noqa: E402
 from smsplit.moe.layer import GROUPED_MM_PATH  # noqa: E402
 from smsplit.moe.model import ModelConfig, Stage  # noqa: E402
 from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward  # noqa: E402

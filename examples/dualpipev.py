@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 from smsplit.pipeline import DualPipeV, Linear
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smsplit.ep import Buffer
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 from smsplit.fp8 import dequantize_1x128, quantize_1x128
 
 

@@ -303,7 +303,7 @@ def _ep_buffer_roundtrip(rank, world, fault):
 
 @pytest.mark.parametrize("fault", [None, "rows", "scale"])
 def test_ep_buffer_roundtrip_passes_a_buffer_and_fails_a_broken_combine(fault):
-    from smsplit.ep.testing import gloo_pool
+    from ep_harness import gloo_pool
 
     results = gloo_pool(2).run(_ep_buffer_roundtrip, fault)
     assert results[0] == results[1]  # every rank reports every rank's worst

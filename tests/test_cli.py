@@ -25,13 +25,13 @@ def test_trace_on_a_cpu_explains_and_writes_a_summary(tmp_path, capsys):
 
 
 def test_demo_passes_its_options_and_says_where_the_report_is(tmp_path, capsys, monkeypatch):
-    from smsplit.moe import train
+    from smsplit.apps import demo
 
     calls = []
-    monkeypatch.setattr(train, "run_demo", lambda **kwargs: calls.append(kwargs) or {})
+    monkeypatch.setattr(demo, "run", lambda config: calls.append(config) or {})
     out = str(tmp_path / "report")
     assert main(["demo", "--out", out, "--steps", "7", "--device", "cpu", "--comm-sms", "16", "--seed", "3"]) == 0
-    assert calls == [dict(out_dir=out, steps=7, device="cpu", comm_sms=16, seed=3)]
+    assert calls == [demo.DemoConfig(out_dir=out, steps=7, device="cpu", comm_sms=16, seed=3)]
     assert capsys.readouterr().out.strip().endswith(f"report: {out}")
 
 
@@ -58,10 +58,10 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     (dict(device="tpu"), "device must be"), (dict(lr=0.0), "lr must be"), (dict(lr=float("nan")), "lr must be"),
     (dict(device="cuda", world_size=64), "needs 64 CUDA GPUs")])
 def test_run_demo_refuses_bad_arguments_before_spawning(kwargs, message, tmp_path):
-    from smsplit.moe.train import run_demo
+    from smsplit.apps.demo import DemoConfig, run
 
     with pytest.raises(ValueError, match=message):
-        run_demo(out_dir=str(tmp_path / "report"), **kwargs)
+        run(DemoConfig(out_dir=str(tmp_path / "report"), **kwargs))
     assert not (tmp_path / "report").exists()  # nothing started
 
 

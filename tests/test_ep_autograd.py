@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from smsplit import fp8 as fp8_lib
 from smsplit.ep import Buffer
-from smsplit.ep.testing import gloo_pool
+from ep_harness import gloo_pool
 
 
 def make_problem(seed, world_size, num_tokens, hidden, num_experts, num_topk, dtype):

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from smsplit import ptx
 from smsplit.ep import copy_engine
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 
 
 def test_copy_engine_kernels_compile_with_their_ptx():

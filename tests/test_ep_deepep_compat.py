@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
-from smsplit.ep.testing import gloo_pool
+from ep_harness import gloo_pool
 from smsplit.ep.utils import EventHandle  # where DeepEP code imports it from (deep_ep.utils)
 from smsplit.fp8 import dequantize_1x128, quantize_1x128
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from smsplit import fp8 as fp8_lib
 from smsplit.ep import Buffer
 from smsplit.ep.buffer import HEADER_WORDS
-from smsplit.ep.testing import gloo_pool, process_pool
+from ep_harness import gloo_pool, process_pool
 
 
 # -- inputs and oracle -----------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
     """The device kernels read rows in 16-byte vectors: a view that starts mid-vector or skips elements is copied
     (`buffer._dense`), an aligned contiguous tensor is passed as it is."""
     from smsplit.ep.buffer import _dense
-    from smsplit.ep.testing import misaligned_copy
+    from ep_harness import misaligned_copy
 
     t = torch.randn(4, 64, dtype=torch.bfloat16)
     assert _dense(t) is t

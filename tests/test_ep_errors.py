@@ -12,7 +12,7 @@ import torch.distributed as dist
 from smsplit.ep import Buffer, EPArgumentError, EPError, EPTimeoutError, compute_dispatch_layout
 from smsplit.ep.buffer import DEVICE_BACKENDS
 from smsplit.ep.host_headers import ENV_SWITCH
-from smsplit.ep.testing import gloo_pool
+from ep_harness import gloo_pool
 
 NUM_EXPERTS, HIDDEN, TOPK = 8, 256, 3
 
@@ -393,7 +393,7 @@ def test_device_backend_checks_are_raised_on_every_rank_before_any_kernel(world_
 @pytest.mark.multigpu
 @pytest.mark.parametrize("headers", ["shared_memory", "group"])
 def test_missing_peer_on_nccl_raises_timeout_naming_rank_and_phase(headers):
-    from smsplit.ep.testing import ProcessPool
+    from ep_harness import ProcessPool
 
     pool = ProcessPool(2, "nccl")  # its own processes: the abandoned NCCL work stays there
     try:

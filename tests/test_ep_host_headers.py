@@ -13,7 +13,7 @@ import torch.distributed as dist
 from smsplit.ep import EPError, EPTimeoutError
 from smsplit.ep import host_headers
 from smsplit.ep.reference import ReferenceTransport
-from smsplit.ep.testing import gloo_pool
+from ep_harness import gloo_pool
 
 
 def rows_sent(sender, world_size, round_index, width):

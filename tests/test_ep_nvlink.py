@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from smsplit import ptx
 from smsplit.ep import nvlink
 from smsplit.ep import transport as nvlink_transport
-from smsplit.ep.testing import free_port, misaligned_copy
+from ep_harness import misaligned_copy
+from smsplit.launch import free_port
 from smsplit.ep.transport import all_gather_into_tensor
 from smsplit.fp8 import quantize_1x128
 
@@ -402,7 +403,7 @@ def _gather_rank_and_transport_hooks(rank, world, group):
 
 
 def test_ranks_on_one_gpu_share_a_group_with_the_transports_hooks_in_place():
-    from smsplit.ep.testing import run_ranks_on_one_gpu
+    from ep_harness import run_ranks_on_one_gpu
 
     assert run_ranks_on_one_gpu(3, _gather_rank_and_transport_hooks) == [([0, 10, 20], [0, 1, 2], True)] * 3
 
@@ -431,8 +432,8 @@ def _rank_2_fails_rank_1_never_returns(rank, world, group):
 
 
 def test_ranks_on_one_gpu_report_a_failing_or_missing_rank_without_hanging(monkeypatch):
-    from smsplit.ep import testing
-    from smsplit.ep.testing import run_ranks_on_one_gpu
+    import ep_harness as testing
+    from ep_harness import run_ranks_on_one_gpu
 
     with pytest.raises(AssertionError, match=r"(?s)--- rank 2 ---.*ValueError: rank 2 gives up"):
         run_ranks_on_one_gpu(3, _fails_on_rank_2, timeout_s=60)
@@ -471,7 +472,7 @@ def _rounds_on_one_gpu(rank, world, group, kind, cases):
 def test_transports_with_more_ranks_than_gpus(kind, world):
     """`_transport_rounds` with 3, 4 and 8 ranks sharing one GPU (`run_ranks_on_one_gpu`): the kernels' paths for
     more than 2 ranks, which the 2-GPU tests do not take, against the same oracle."""
-    from smsplit.ep.testing import run_ranks_on_one_gpu
+    from ep_harness import run_ranks_on_one_gpu
 
     run_ranks_on_one_gpu(world, _rounds_on_one_gpu, kind, cases_for_ranks(world, NVLINK_CASES),
                          timeout_s=150)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 from smsplit.moe import ModelConfig, MoE, Router, build_stages, grouped_mm, group_limited_topk
 from smsplit.moe.layer import init_moe_
 from smsplit.moe.overlap import PieceRunner, overlapped_forward_backward, serial_forward_backward
@@ -271,9 +271,8 @@ def _ep_worker(rank, world, port, out_dir):
         for fp8 in (False, True):
             # exact: FP32 on the wire both ways; else FP8 dispatch and BF16 combine, as in DeepSeek-V3
             moe = MoE(**CFG, fp8_dispatch=fp8, ep_rank=rank, ep_size=world,
-                      combine_dtype=torch.bfloat16 if fp8 else None)
+                      combine_dtype=torch.bfloat16 if fp8 else None, buffer=buffer)
             init_moe_(moe, seed=4)
-            moe.buffer = buffer
             full = MoE(**CFG, fp8_dispatch=fp8)  # all experts, same global weights
             init_moe_(full, seed=4)
             xs = [torch.randn(12, 128, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
@@ -331,14 +330,10 @@ def _fb_grads(cfg, ids, fb, rank=0, world=1, buffer=None, runner=None, device="c
     """Chunk 0 through both stages; then F(chunk 1, module 0) with B(chunk 0, module 1) through ``fb``;
     then the rest serially. Returns every parameter gradient."""
     torch.manual_seed(0)
-    m0, m1 = build_stages(cfg, ep_rank=rank, ep_size=world, seed=5)
+    m0, m1 = build_stages(cfg, ep_rank=rank, ep_size=world, seed=5, runner=runner, buffer=buffer)
     ids = ids.to(device)
     for m in (m0, m1):
         m.to(device)
-        if runner is not None:
-            m.runner = runner
-        for b in m.blocks:
-            b.moe.buffer = buffer
 
     def criterion(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
@@ -561,10 +556,10 @@ def test_build_stages_refuses_a_pipeline_rank_it_does_not_have(kwargs, words):
     (dict(world_size=3), "n_experts=8 must divide evenly over the 3 EP ranks"),
     (dict(world_size=3, pp=3, chunks=6, batch=6), "n_layers=4 must divide into 2 \\* pp = 6 stages")])
 def test_run_demo_refuses_a_layout_its_model_cannot_take_before_spawning(kwargs, words, tmp_path):
-    from smsplit.moe.train import run_demo
+    from smsplit.apps.demo import DemoConfig, run
 
     with pytest.raises(ValueError, match=words):
-        run_demo(str(tmp_path), steps=1, device="cpu", progress=False, **kwargs)
+        run(DemoConfig(str(tmp_path), steps=1, device="cpu", progress=False, **kwargs))
 
 
 def _update_biases_case(rank, world):
@@ -584,7 +579,7 @@ def _update_biases_case(rank, world):
 
 
 def test_update_biases_sums_the_loads_and_ranks_that_disagree_all_raise():
-    from smsplit.ep.testing import gloo_pool
+    from ep_harness import gloo_pool
 
     messages = gloo_pool(2).run(_update_biases_case)
     assert all(m is not None and "the ranks pass different routers" in m for m in messages), messages

@@ -3,11 +3,11 @@
 import json
 import math
 
-from smsplit.moe.train import run_demo
+from smsplit.apps.demo import DemoConfig, run
 
 
 def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path):
-    summary = run_demo(str(tmp_path), steps=5, device="cpu", batch=8, chunks=2, progress=False, timeout_s=60)
+    summary = run(DemoConfig(str(tmp_path), steps=5, device="cpu", batch=8, chunks=2, progress=False, timeout_s=60))
     assert summary["device"] == "cpu" and summary["ep"] == 2 and summary["world"] == 2
     losses = summary["losses"]
     assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
@@ -24,7 +24,7 @@ def _stalling_worker(rank, world, port, opts, out_dir):
     given up (at most 20 s). Each rank writes what it raised and when."""
     import time
 
-    import smsplit.moe.train as train
+    import smsplit.apps.demo as train
 
     real = train._all_reduce_grads
 
@@ -38,7 +38,7 @@ def _stalling_worker(rank, world, port, opts, out_dir):
     start = time.monotonic()
     outcome = {"error": None}
     try:
-        train._worker(rank, world, port, opts)
+        train._worker(rank, port, opts)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         outcome = {"error": type(error).__name__, "message": str(error)}
     outcome["elapsed"] = time.monotonic() - start
@@ -48,10 +48,10 @@ def _stalling_worker(rank, world, port, opts, out_dir):
 def test_a_stalled_peer_ends_the_demo_within_timeout_s_naming_the_rank_and_phase(tmp_path):
     import torch.multiprocessing as mp
 
-    from smsplit.ep.testing import free_port
+    from smsplit.launch import free_port
 
-    opts = dict(out_dir=str(tmp_path / "report"), steps=2, device="cpu", world_size=2, pp=1, chunks=2, batch=8,
-                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=5, ep_backend="reference")
+    opts = DemoConfig(out_dir=str(tmp_path / "report"), steps=2, device="cpu", world_size=2, pp=1, chunks=2, batch=8,
+                      seed=0, lr=3e-3, comm_sms=20, progress=False, timeout_s=5)
     mp.spawn(_stalling_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["error"] == "RuntimeError" and rank0["message"].startswith(
@@ -64,7 +64,7 @@ def test_bad_timeouts_are_refused_before_any_process_starts(tmp_path):
 
     for bad in (0, -1, float("inf"), float("nan"), 1e15, True, "60"):
         with pytest.raises(ValueError, match="timeout_s"):
-            run_demo(str(tmp_path), steps=1, device="cpu", progress=False, timeout_s=bad)
+            run(DemoConfig(str(tmp_path), steps=1, device="cpu", progress=False, timeout_s=bad))
 
 
 def test_a_comm_sm_count_no_gpu_can_grant_is_refused_before_spawning(tmp_path, monkeypatch):
@@ -83,14 +83,14 @@ def test_a_comm_sm_count_no_gpu_can_grant_is_refused_before_spawning(tmp_path, m
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="comm_sms must be between 1 and 131"):
-        run_demo(str(tmp_path / "report"), steps=1, device="cuda", comm_sms=132, progress=False)
+        run(DemoConfig(str(tmp_path / "report"), steps=1, device="cuda", comm_sms=132, progress=False))
     assert not (tmp_path / "report").exists()
 
 
 def test_a_one_step_demo_times_its_ops(tmp_path):
     """The first step is left out of the op times (one-time set-up), except when it is the only one: the pipeline
     timeline is drawn from these times and says they were measured."""
-    summary = run_demo(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60)
+    summary = run(DemoConfig(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60))
     ops = summary["op_seconds"]
     assert ops.get("F", 0) > 0 and ops.get("FB", 0) > 0, ops
 
@@ -101,7 +101,7 @@ def _stalled_dispatch_worker(rank, world, port, opts, out_dir):
     import time
 
     import smsplit.moe.layer as layer
-    import smsplit.moe.train as train
+    import smsplit.apps.demo as train
 
     real = layer.MoE.dispatch
 
@@ -114,7 +114,7 @@ def _stalled_dispatch_worker(rank, world, port, opts, out_dir):
     layer.MoE.dispatch = stalled
     outcome = {"error": None}
     try:
-        train._worker(rank, world, port, opts)
+        train._worker(rank, port, opts)
     except Exception as error:  # noqa: BLE001 - recorded for the test
         outcome = {"error": type(error).__name__, "message": str(error)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
@@ -125,10 +125,10 @@ def test_a_peer_stalled_inside_the_pipeline_step_is_named_with_the_rank_step_op_
     message ("dispatch: waiting for counts from rank 1 ..."): no rank, step, pipeline op or layer."""
     import torch.multiprocessing as mp
 
-    from smsplit.ep.testing import free_port
+    from smsplit.launch import free_port
 
-    opts = dict(out_dir=str(tmp_path / "report"), steps=1, device="cpu", world_size=2, pp=1, chunks=2, batch=4,
-                seed=0, lr=3e-3, comm_sms=20, model={}, progress=False, timeout_s=5, ep_backend="reference")
+    opts = DemoConfig(out_dir=str(tmp_path / "report"), steps=1, device="cpu", world_size=2, pp=1, chunks=2, batch=4,
+                      seed=0, lr=3e-3, comm_sms=20, progress=False, timeout_s=5)
     mp.spawn(_stalled_dispatch_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["error"] == "RuntimeError", rank0
@@ -149,7 +149,7 @@ def test_model_overrides_and_an_infinite_lr_are_refused_before_spawning(tmp_path
                           (dict(model={"rope_theta": -1.0}), "rope_theta must be"),
                           (dict(model={"bogus": 1}), "model: .*bogus")):
         with pytest.raises(ValueError, match=words):
-            run_demo(str(tmp_path / "report"), steps=1, device="cpu", progress=False, **kwargs)
+            run(DemoConfig(str(tmp_path / "report"), steps=1, device="cpu", progress=False, **kwargs))
     assert not (tmp_path / "report").exists()
 
 
@@ -157,7 +157,7 @@ def test_the_pipeline_timeline_is_simulated_with_the_measured_split_backward(tmp
     """The split backward's measured time ("Bi") was left out: the simulator used B - W in its place."""
     import smsplit.pipeline as pipeline
     from smsplit.moe.model import ModelConfig
-    from smsplit.moe.train import _report
+    from smsplit.apps.demo import _report
 
     calls = []
 
@@ -170,7 +170,7 @@ def test_the_pipeline_timeline_is_simulated_with_the_measured_split_backward(tmp
         return Sim()
 
     monkeypatch.setattr(pipeline, "simulate", simulate)
-    opts = dict(device="cpu", world_size=2, seed=0, ep_backend="reference")
+    config = DemoConfig(str(tmp_path), device="cpu", world_size=2, seed=0, model=ModelConfig(), pp=1, chunks=2)
     op_times = {"F": [1.0], "B": [3.0], "Bi": [2.5], "W": [1.0], "FB": [3.5]}
-    _report(tmp_path, opts, ModelConfig(), [2.0, 1.0], [1.0, 1.0], [0.5, 0.5], op_times, {}, None, 1, 2, 1.0, 2)
+    _report(config, [2.0, 1.0], [1.0, 1.0], [0.5, 0.5], op_times, {}, None, 1.0)
     assert calls and calls[0]["Bi"] == 2.5 and calls[0]["B"] == 3.0 and calls[0]["W"] == 1.0, calls

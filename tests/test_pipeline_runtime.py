@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 from smsplit.pipeline import DualPipe, DualPipeV, Linear, WeightGradStore, schedule, sum_stage_copies
 
 DIM, ROWS = 6, 2  # features, rows per micro-batch
@@ -797,7 +797,7 @@ def case_outputs_change_after_learning(rank, world):
 
 def test_outputs_that_differ_from_the_learned_ones_are_named_at_the_forward():
     """The receiver expects data of the learned shapes (no header to abort with): its wait ends after timeout_s."""
-    from smsplit.ep.testing import ProcessPool
+    from ep_harness import ProcessPool
 
     pool = ProcessPool(2)
     try:
@@ -886,7 +886,7 @@ def case_stalled_peer(rank, world, where, done_file):
 
 @pytest.mark.parametrize("where", ["step", "forward"])
 def test_a_stalled_peer_raises_a_named_timeout_within_timeout_s(where, tmp_path):
-    from smsplit.ep.testing import ProcessPool
+    from ep_harness import ProcessPool
 
     pool = ProcessPool(2)  # its own processes: the abandoned messages stay there
     try:

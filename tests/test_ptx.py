@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
-from smsplit.fp8 import quantize_e4m3_bf16_vectors
+from smsplit.fp8 import quantize_e4m3_bf16_vector_pairs
 
 
 @triton.jit
@@ -46,12 +46,14 @@ def _copy_v4_evict_first(src, dst, n_vec, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quantize_vectors(src, dst, scales, GROUPS: tl.constexpr):
-    # one row of GROUPS * 128 bf16 values, as smsplit.ep.nvlink's dispatch quantizes it
+    # one row of GROUPS * 128 bf16 values, two 16-byte vectors per thread, as smsplit.ep.nvlink's dispatch
+    # quantizes it
     g = tl.arange(0, GROUPS)[None, :, None]
-    c = tl.arange(0, 16)[None, None, :]
-    w0, w1, w2, w3 = ptx.ld_global_nc_v4(src + g * 64 + 4 * c, c < 16)
-    q0, q1, scale = quantize_e4m3_bf16_vectors(w0, w1, w2, w3)
-    ptx.st_global_na_v2(dst + g * 32 + 2 * c, q0, q1, c < 16)
+    c = tl.arange(0, 8)[None, None, :]
+    a0, a1, a2, a3 = ptx.ld_global_nc_v4(src + g * 64 + 8 * c, c < 8)
+    b0, b1, b2, b3 = ptx.ld_global_nc_v4(src + g * 64 + 8 * c + 4, c < 8)
+    q0, q1, q2, q3, scale = quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3)
+    ptx.st_global_na_v4(dst + g * 32 + 4 * c, q0, q1, q2, q3, c < 8)
     ptx.st_global_b32(scales + tl.arange(0, GROUPS)[None, :], scale, tl.arange(0, GROUPS)[None, :] < GROUPS)
 
 

@@ -1,4 +1,4 @@
-"""`smsplit` command line: demo (the main job), trace, info."""
+"""`smsplit` command line: demo (the main job, `smsplit.apps.demo`), trace (`smsplit.apps.trace`), info."""
 
 from __future__ import annotations
 
@@ -40,19 +40,19 @@ def main(argv=None) -> int:
         machine = info.collect()
         print(json.dumps(machine, indent=1) if args.json else info.render(machine))
     elif args.command == "demo":
-        from smsplit.moe.train import run_demo
+        from smsplit.apps import demo
 
-        try:  # run_demo checks its arguments before it starts any process
-            run_demo(out_dir=args.out, steps=args.steps, device=args.device, comm_sms=args.comm_sms,
-                     seed=args.seed)
+        try:  # the config and `run` check everything before any process starts
+            demo.run(demo.DemoConfig(out_dir=args.out, steps=args.steps, device=args.device, comm_sms=args.comm_sms,
+                                     seed=args.seed))
         except ValueError as e:
             p_demo.error(str(e))
         print(f"report: {args.out}")
     elif args.command == "trace":
-        from smsplit import demo
+        from smsplit.apps import trace
 
         try:
-            demo.run(out=args.out, comm_sms=args.comm_sms)
+            trace.run(trace.TraceConfig(out_dir=args.out, comm_sms=args.comm_sms))
         except ValueError as e:
             p_trace.error(str(e))
     return 0

@@ -166,7 +166,7 @@ if triton is not None:
         """FP8 e4m3 values and fp32 scales of fp32 ``x``, one scale per slice along ``axis`` (`_e4m3_scales`: a
         group holding a NaN gets a NaN scale), bit-identical to the torch reference `quantize_1x128`; for every
         kernel that quantizes fp32 values (this module's, and the EP dispatch for non-bf16 x).
-        `quantize_e4m3_bf16_vectors` is the same on packed bf16."""
+        `quantize_e4m3_bf16_vector_pairs` is the same on packed bf16."""
         inv, scale = _e4m3_scales(tl.reduce(tl.abs(x), axis, _max_keeping_nan))
         return (x * tl.expand_dims(inv, axis)).to(tl.float8e4nv), scale
 
@@ -194,24 +194,15 @@ if triton is not None:
         return w0, w1
 
     @triton.jit
-    def quantize_e4m3_bf16_vectors(w0, w1, w2, w3):
-        """`quantize_e4m3_groups` for bf16 values as 16-byte loads hold them: words ``w0..w3`` (``[ROWS, GROUPS, 16]``
-        each, two values per word; the last axis the 16 vectors of a group of 128), quantized on packed words
-        (`smsplit.ptx.bf16x8_absmax_bits`, `smsplit.ptx.e4m3x4_from_bf16x4`) with the same math, bit for bit:
-        the two int32 words of e4m3 bytes of each vector (``[ROWS, GROUPS, 16]`` each, bytes in the values' order) and
-        the scales (``[ROWS, GROUPS]``). A NaN in a group makes its scale NaN, as in the torch reference."""
-        amax_bits = tl.max(ptx.bf16x8_absmax_bits(w0, w1, w2, w3), axis=2)
-        inv, scale = _e4m3_scales(amax_bits.to(tl.float32, bitcast=True))
-        inv = inv[:, :, None]
-        return ptx.e4m3x4_from_bf16x4(w0, w1, inv), ptx.e4m3x4_from_bf16x4(w2, w3, inv), scale
-
-    @triton.jit
     def quantize_e4m3_bf16_vector_pairs(a0, a1, a2, a3, b0, b1, b2, b3):
-        """`quantize_e4m3_bf16_vectors` with two 16-byte vectors of a group per thread: ``a0..a3`` and ``b0..b3``
-        (``[ROWS, GROUPS, 8]`` each; the 8 threads of a group hold its 16 vectors, in any order). Half the threads
-        meet in each group's maximum (3 shuffle steps instead of 4, one division per 16 values instead of 8).
-        Returns the four int32 words of the thread's 16 e4m3 values (``[ROWS, GROUPS, 8]`` each: two from ``a``'s
-        8 values, then two from ``b``'s) and the scales."""
+        """`quantize_e4m3_groups` for bf16 values as 16-byte loads hold them, two vectors of a group per thread:
+        ``a0..a3`` and ``b0..b3`` (``[ROWS, GROUPS, 8]`` each, two values per word; the 8 threads of a group hold
+        its 16 vectors, in any order), quantized on packed words (`smsplit.ptx.bf16x8_absmax_bits`,
+        `smsplit.ptx.e4m3x4_from_bf16x4`) with the same math, bit for bit. Two vectors per thread, not one: half
+        the threads meet in each group's maximum (3 shuffle steps instead of 4, one division per 16 values instead
+        of 8). Returns the four int32 words of the thread's 16 e4m3 values (``[ROWS, GROUPS, 8]`` each: two from
+        ``a``'s 8 values, then two from ``b``'s, bytes in the values' order) and the scales (``[ROWS, GROUPS]``).
+        A NaN in a group makes its scale NaN, as in the torch reference."""
         bits = tl.maximum(ptx.bf16x8_absmax_bits(a0, a1, a2, a3), ptx.bf16x8_absmax_bits(b0, b1, b2, b3))
         inv, scale = _e4m3_scales(tl.max(bits, axis=2).to(tl.float32, bitcast=True))
         inv = inv[:, :, None]

@@ -1,9 +1,9 @@
-"""Launch a Triton kernel with less host work per call than Triton's JIT.
+"""Launching: Triton kernels with less host work per call than Triton's JIT (`FastLaunch`), and the rendezvous
+port for processes of one process group (`free_port`).
 
-``kernel[grid](*args)`` spends 20-60 us of host time per launch on an H200 host (Triton 3.6, a kernel of 24-50
-arguments: binding and specializing every argument, the cache key, reading knobs, checking the globals the kernel
-used; BENCHMARKS.md §2), against 8-12 us for the compiled kernel's own launcher. An eager EP call makes one to three
-launches, so that is a large part of its host time.
+``kernel[grid](*args)`` spends several times the host time of the compiled kernel's own launcher on a kernel of
+24-50 arguments (binding and specializing every argument, the cache key, reading knobs, checking the globals the
+kernel used). An eager EP call makes one to three launches, so that is a large part of its host time.
 
 `FastLaunch` keeps the compiled kernels it has seen under a key made from what Triton specializes on, and sends a
 launch whose key it knows straight to the compiled kernel's launcher; any other goes through the JIT (which compiles
@@ -22,6 +22,8 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import random
+import socket
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -31,6 +33,24 @@ from triton.runtime import driver
 
 ENV_SWITCH = "SMSPLIT_FAST_LAUNCH"
 MAX_KERNELS = 256  # compiled kernels kept per FastLaunch; the least recently used key is dropped past this
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous (``MASTER_PORT``, or
+    ``init_method="tcp://127.0.0.1:<port>"``). Taken below the kernel's ephemeral range (``ip_local_port_range``,
+    32768-60999 by default), where NCCL's and gloo's own sockets get their ports: a port the kernel handed out as
+    ephemeral can be handed out again, to one of those sockets, between this check and the rendezvous
+    (EADDRINUSE)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port between 20000 and 32000 on 127.0.0.1")
 
 
 def enabled_by_environment() -> bool:

@@ -293,7 +293,7 @@ class Buffer:
                 (the same kernels with ``bulk="copy_engine"``: copy engines move the token rows, one copy per peer
                 for a dispatch and chunks for a combine, the SMs the metadata, this rank's own rows and the sum;
                 the rows of an FP8 dispatch that quantizes in the kernel are pushed by the SMs as they are made;
-                the fastest on 2 H200s, see BENCHMARKS.md; a token's row among those from its source is not always
+                the fastest of the backends, see BENCHMARKS.md; a token's row among those from its source is not always
                 in token order, `recv_src_idx` in the handle names it), "copy_engine" (`smsplit.ep.copy_engine`: SMs
                 pack and sum, the copy engines move the bytes), or "auto" (the reference). The device backends need
                 an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.

@@ -259,7 +259,7 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
                  ptx.bf16x2_add_as_fp32(own, peer), mask=tmask[:, None] & wmask)
     else:
         acc = tl.zeros((TB, HB), dtype=tl.float32)
-        for d in range(R):  # (a version unrolled over RP with predicated loads measured slower on H200)
+        for d in range(R):  # (not unrolled over RP with predicated loads: that is slower on Hopper)
             p = _column(pos, cols, d).to(tl.int64)[:, None]
             ok = p >= 0
             if d == rank:
@@ -812,7 +812,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
         tl.debug_barrier()
     _signal_all(bases_ptr, sig_off + SUMMED_SLOT * 64, rank, R)  # this program's reads of the combine area are done
     last = _finish(state_ptr, 2, expected, programs, programs, copies_seen, COPIES_WORD + 1)
-    if last:  # (after the signals: program 0 checking before them cost the unweighted combine 8-10 us, session 29)
+    if last:  # (after the signals, so that the peers waiting for them are not held up by this check)
         short = tl.load((own + sig_off + SHORT_SLOT * 64).to(tl.pointer_type(tl.int32)) + cols, mask=cols < R, other=0,
                         volatile=True)
         if tl.max(short, axis=0) > 0:  # a peer's receive overflowed: some of this rank's rows did not come back
@@ -894,8 +894,8 @@ def _stage_bounds(num_tokens: int, chunks: int, round_tokens: int) -> list[int]:
 
 def default_combine_chunks(num_sms: int) -> tuple[float, ...]:
     """The chunks (increasing fractions of the copied rows) a combine's copies are cut into, by comm SMs: from 20
-    SMs on four, below three (2 H200s, DeepSeek-V3 shape, session 18: four were 7-8 us faster at 20 SMs, 0.5-6 at
-    24 and 32, 7-8 us slower at 16, within 4 us at 8; BENCHMARKS.md section 2)."""
+    SMs on four, below three. More chunks let the sum start sooner but each costs a flag and a wait: with the
+    DeepSeek-V3 shape on two GPUs, four were faster from 20 SMs on and slower at 16."""
     return (0.4, 0.7, 0.9, 1.0) if num_sms >= 20 else (0.5, 0.8, 1.0)
 
 
@@ -973,8 +973,8 @@ class NvlinkTransport:
             peers' copy-done flags). An FP8 dispatch that quantizes here (``quantize``) has its rows moved as the
             attribute ``quantized_rows_by`` (the same on every rank, as every attribute here) says: ``"sm"``
             (the default: the kernel pushes every row as it quantizes it, on the rows the copy-engine dispatches
-            of the layout use; on 2 H200s at 20 SMs, replayed, 116.7-130.1 us against 156.7-162.4 staged,
-            BENCHMARKS.md §2 session 23) or ``"copy_engine"`` (staged in this rank's combine area over
+            of the layout use; faster than staging: a row leaves as soon as it is quantized, with no staging
+            launch and copy to wait for) or ``"copy_engine"`` (staged in this rank's combine area over
             ``stage_chunks`` launches, each followed by copy-engine copies of what it staged).
             With ``"copy_engine"`` the first dispatch and the first combine of a
             layout read it on the host (a synchronization; later calls with that layout, ``cached``, can
@@ -993,7 +993,7 @@ class NvlinkTransport:
             rounded up to whole rounds of the programs) and its last launch pushes the later tokens' rows.
         combine_copy_share: the same for a combine: the copy engines move the first ``ceil(combine_copy_share
             * n)`` of the ``n`` rows received from each source, the SMs push the rest before the sum starts
-            (on 2 H200s 1.0 was fastest: the SMs are better used summing the chunks as they land).
+            (1.0 is fastest: the SMs are better used summing the chunks as they land).
     """
 
     returns_views = True  # received tensors live in the symmetric buffer: Buffer copies them out
@@ -1030,7 +1030,7 @@ class NvlinkTransport:
         self.quantize_tokens_per_step = 16  # a dispatch that quantizes: tokens per step, and groups of 128 values
         self.quantize_groups_per_step = 8  # quantized at a time
         self.e4m3_store_bytes = 16  # a dispatch that quantizes stores each thread's e4m3 bytes as one 16-byte vector
-        # (8: two 8-byte halves, the layout of sessions before 26)
+        # (8: two 8-byte halves)
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
         self.timeout_ns = int(timeout_s * 1e9)
         self.timeout_s = timeout_s
@@ -1209,7 +1209,7 @@ class NvlinkTransport:
         the same stream starts when the data is in). Returns the event the current stream must wait for (after its
         kernel), so that the sources stay unchanged until read. Capturable in a CUDA graph (plain copies and stream
         memory operations then). A kernel that runs beside the copies is queued before them, after ``after``: in a
-        CUDA graph it then starts about 20 us earlier than when queued after them (`bench/combine_timeline.py`)."""
+        CUDA graph it then starts sooner than when queued after them."""
         self._copy_start(counter, after)
         for copies, flag, peers in steps:
             self._copy_step(copies, flag, peers)
@@ -1220,8 +1220,8 @@ class NvlinkTransport:
         copies (counter 0), until every peer has started this dispatch (its X_FREE_SLOT word, set by its first
         launch), before a combine's (counter 1), until every peer has summed this rank's previous combine (its
         FREE_SLOT word, which it sets once it has this combine's last flag); stream memory operations, so that no
-        kernel precedes the first copy (a kernel there delayed it 7.5-8.6 us, BENCHMARKS.md §2 session 11; these
-        cost a dispatch about 10 us even when the words are already set, session 16). The waits and the words'
+        kernel precedes the first copy (a kernel there delays it by a launch). Such waits cost a dispatch time even
+        when the words are already set, so the waits and the words'
         resets run on ``reset_stream``: the copy stream waits for the waits only, and for the resets before its first
         flag (`_wait_for_reset`). Its flags copy counter ``counter``."""
         cs, rs = self.copy_stream, self.reset_stream
@@ -1231,7 +1231,7 @@ class NvlinkTransport:
         for peer in self._peers:
             self.ops.wait_geq(rs, words + 4 * peer, 1)
         self._words_seen.record(rs)
-        for peer in self._peers:  # (a fenced write: on the copy stream it held the first copy back ~9 us, session 27)
+        for peer in self._peers:  # (fenced: on the copy stream this would hold back the first copy)
             self.ops.write(rs, words + 4 * peer, 0)
         self._words_reset.record(rs)
         cs.wait_event(self._words_seen)
@@ -1414,8 +1414,8 @@ class NvlinkTransport:
             # (the combine area is the staging area: nothing else uses it during a dispatch), then one that pushes
             # the later tokens' rows itself (beside the copies), signals and waits
             # The copy stream's first wait (for the peers' start signals) is queued after the first launch, which
-            # sends this rank's: queued before it, the wait held the launch back (the streams may share a hardware
-            # queue) and two ranks waited for each other's signal for ever (session 15).
+            # sends this rank's: queued before it, the wait can hold the launch back (the streams may share a hardware
+            # queue) and two ranks then wait for each other's signal for ever.
             chunks = self._stage_split(plans, is_token_in_rank)
             split = self._dispatch_split(plans, is_token_in_rank)
             pos = split.pos

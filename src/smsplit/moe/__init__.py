@@ -1,4 +1,5 @@
-"""DeepSeek-style MoE: router, MoE layer on `smsplit.ep`, overlapped forward/backward, a tiny model and its demo."""
+"""DeepSeek-style MoE: router, MoE layer on `smsplit.ep`, overlapped forward/backward, a tiny model (trained by
+`smsplit demo`, `smsplit.apps.demo`)."""
 
 from smsplit.moe.layer import MoE, grouped_mm
 from smsplit.moe.model import ModelConfig, Stage, build_stages

@@ -41,9 +41,8 @@ def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
 def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, what: str) -> torch.Tensor:
     if a.numel() == 0 or b.numel() == 0:
         # No rows, or (weight form) no tokens in any group: zeros, without asking torch._grouped_mm. Its CUDA check
-        # refuses a zero-length contraction whatever the strides in some torch versions (pytorch/pytorch PR #192497;
-        # torch 2.11 on an H200 took it: bench/device/session35_grouped_mm_probe.py); where it raises, the first call
-        # would switch this key to the loop for good.
+        # refuses a zero-length contraction whatever the strides in some torch versions (pytorch/pytorch PR #192497);
+        # where it raises, the first call would switch this key to the loop for good.
         if a.dim() == 2 and b.dim() == 3:
             return a.new_zeros(a.size(0), b.size(-1))
         return a.new_zeros(offs.numel(), a.size(0), b.size(-1))
@@ -205,14 +204,14 @@ class MoE(nn.Module):
         expert_alignment: pad each expert's token group to this many rows for the grouped GEMM.
         combine_dtype: dtype of the expert outputs on the wire in combine (BF16 as in DeepSeek-V3); None
             keeps the activations' dtype.
-
-    Set ``self.buffer`` to an `smsplit.ep.Buffer` over the EP group when ``ep_size > 1``.
+        buffer: the `smsplit.ep.Buffer` over the EP group that moves the tokens; needed when ``ep_size > 1``
+            (one buffer can serve every layer of a rank), unused when ``ep_size == 1``.
     """
 
     def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, n_groups: int = 1,
                  topk_groups: int = 1, n_shared: int = 1, route_scale: float = 1.0, ep_rank: int = 0,
                  ep_size: int = 1, fp8_dispatch: bool = True, expert_alignment: int = 1,
-                 combine_dtype: torch.dtype | None = torch.bfloat16):
+                 combine_dtype: torch.dtype | None = torch.bfloat16, buffer=None):
         super().__init__()
         for name, value in (("ep_size", ep_size), ("expert_alignment", expert_alignment), ("inter_dim", inter_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -232,7 +231,7 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, topk, n_groups, topk_groups, route_scale)
         self.experts = GroupedExperts(self.n_local_experts, dim, inter_dim)
         self.shared = MLP(dim, n_shared * inter_dim) if n_shared > 0 else None
-        self.buffer = None
+        self.buffer = buffer
 
     # The four steps of forward, in order.
 
@@ -243,7 +242,8 @@ class MoE(nn.Module):
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_idx: torch.Tensor) -> Dispatched:
         if self.buffer is None:
             if self.ep_size != 1:
-                raise RuntimeError(f"ep_size={self.ep_size}: set moe.buffer to an smsplit.ep.Buffer first")
+                raise RuntimeError(f"ep_size={self.ep_size}: the layer needs an smsplit.ep.Buffer over its EP group "
+                                   f"(MoE(..., buffer=...))")
             return Dispatched(x, topk_idx, topk_weights, None, None)
         if (self.buffer.group_size, self.buffer.rank) != (self.ep_size, self.ep_rank):
             raise ValueError(f"moe.buffer: its group has {self.buffer.group_size} ranks and this is rank "

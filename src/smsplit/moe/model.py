@@ -18,7 +18,7 @@ from torch import nn
 
 from smsplit.moe import overlap
 from smsplit.moe.layer import Dispatched, MoE, init_moe_
-from smsplit.moe.overlap import COMM, COMPUTE, INLINE, run_taped
+from smsplit.moe.overlap import COMM, COMPUTE, INLINE, PieceRunner, run_taped
 from smsplit.pipeline.weight_grad import Linear
 
 
@@ -109,12 +109,12 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm attention and MoE, each with a residual; forward in four pieces."""
 
-    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, buffer=None):
         super().__init__()
         self.attn_norm, self.moe_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.rope_theta)
         self.moe = MoE(cfg.dim, cfg.inter_dim, cfg.n_experts, cfg.topk, cfg.n_groups, cfg.topk_groups,
-                       cfg.n_shared, cfg.route_scale, ep_rank, ep_size, cfg.fp8_dispatch)
+                       cfg.n_shared, cfg.route_scale, ep_rank, ep_size, cfg.fp8_dispatch, buffer=buffer)
 
     def attention(self, h):
         h = h + self.attn(self.attn_norm(h))
@@ -161,17 +161,19 @@ class Stage(nn.Module):
         seed: weights are a function of (seed, layer id) only: the same on every rank, device and EP size
             (drawn on the CPU at full expert count). None keeps PyTorch's default initialisation, drawn where
             the module is built (``with torch.device("cuda"): ...``), for benchmarks at full width.
-
-    ``runner`` (a `PieceRunner`) decides streams and timing; set it with ``stage.runner = ...``.
+        runner: the `PieceRunner` that decides where the pieces run and records their times (None: in order on
+            the current stream, unrecorded).
+        buffer: the `smsplit.ep.Buffer` over the EP group, for every block's MoE layer (needed when
+            ``ep_size > 1``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids, first: bool = False, last: bool = False,
                  embedding: nn.Embedding | None = None, ep_rank: int = 0, ep_size: int = 1,
-                 seed: int | None = 0):
+                 seed: int | None = 0, runner: PieceRunner | None = None, buffer=None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.layer_ids = list(layer_ids)
-        self.blocks = nn.ModuleList(Block(cfg, ep_rank, ep_size) for _ in self.layer_ids)
+        self.blocks = nn.ModuleList(Block(cfg, ep_rank, ep_size, buffer) for _ in self.layer_ids)
         if (first or last) and embedding is None:
             embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
             if seed is not None:
@@ -184,7 +186,7 @@ class Stage(nn.Module):
         if seed is not None:
             for layer, block in zip(self.layer_ids, self.blocks):
                 _init_block_(block, seed * 1_000_003 + layer + 1)
-        self.runner = INLINE
+        self.runner = INLINE if runner is None else runner
 
     def _embed(self, ids):
         return self.embedding(ids)
@@ -225,9 +227,10 @@ def _init_block_(block: Block, seed: int) -> None:
 
 
 def build_stages(cfg: ModelConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
-                 seed: int = 0) -> tuple[Stage, Stage]:
+                 seed: int = 0, runner: PieceRunner | None = None, buffer=None) -> tuple[Stage, Stage]:
     """DualPipeV's two modules of pipeline rank ``pp_rank``: stage ``pp_rank`` and stage
-    ``2 * pp_size - 1 - pp_rank`` of ``2 * pp_size`` stages of ``cfg.n_layers`` layers."""
+    ``2 * pp_size - 1 - pp_rank`` of ``2 * pp_size`` stages of ``cfg.n_layers`` layers, both with ``runner``
+    and ``buffer`` (see `Stage`)."""
     for name, value in (("pp_size", pp_size), ("pp_rank", pp_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "pp_size" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'pp_size' else 0}, got {value!r}")
@@ -238,7 +241,8 @@ def build_stages(cfg: ModelConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: 
         raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp_size = {n_stages} stages")
     per = cfg.n_layers // n_stages
     s0, s1 = pp_rank, n_stages - 1 - pp_rank
-    m0 = Stage(cfg, range(s0 * per, (s0 + 1) * per), first=s0 == 0, ep_rank=ep_rank, ep_size=ep_size, seed=seed)
+    m0 = Stage(cfg, range(s0 * per, (s0 + 1) * per), first=s0 == 0, ep_rank=ep_rank, ep_size=ep_size, seed=seed,
+               runner=runner, buffer=buffer)
     m1 = Stage(cfg, range(s1 * per, (s1 + 1) * per), last=s1 == n_stages - 1, embedding=m0.embedding,
-               ep_rank=ep_rank, ep_size=ep_size, seed=seed)
+               ep_rank=ep_rank, ep_size=ep_size, seed=seed, runner=runner, buffer=buffer)
     return m0, m1

@@ -157,11 +157,14 @@ class _Pipeline(nn.Module):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None,
-                 rank_mapping: list[int] | None = None, *, timeout_s: float | None = None) -> None:
+                 rank_mapping: list[int] | None = None, *, timeout_s: float | None = None,
+                 op_hook: Callable[[Op, str], None] | None = None) -> None:
         super().__init__()
         name = type(self).__name__
         if timeout_s is not None and (problem := timeout_problem(timeout_s)):
             raise ValueError(f"{name}: timeout_s: {problem} (or None)")
+        if op_hook is not None and not callable(op_hook):
+            raise TypeError(f"{name}: op_hook must be a function of (op, when) or None, got {op_hook!r}")
         if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
                 isinstance(m, nn.Module) for m in modules):
             raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
@@ -207,7 +210,7 @@ class _Pipeline(nn.Module):
         self._known_streams: set = set()
         self._input_meta = None  # micro-batch shapes and dtypes of the inputs when the shapes were learned
         self._stream_meta: dict = {}
-        self.op_hook: Callable[[Op, str], None] | None = None
+        self.op_hook: Callable[[Op, str], None] | None = op_hook
         """Called as op_hook(op, "start") before and op_hook(op, "end") after each compute op."""
 
     # ----------------------------------------------------------------------------------------
@@ -705,6 +708,8 @@ class DualPipe(_Pipeline):
       NCCL the host does not wait for messages (the GPU does): a peer that never sends is ended
       by NCCL's watchdog after the process group's timeout, so set that one
       (`init_process_group(timeout=...)`, `new_group(timeout=...)`).
+    op_hook: (keyword only) called as op_hook(op, "start") before and op_hook(op, "end") after each
+      compute op (for timing); the `op_hook` attribute may also be set or cleared between steps.
 
     Stage outputs must be a tensor or a tuple/list of tensors; what a rank sends is learned on the
     first step (see `reset_shapes`). Works with any backend that has p2p (NCCL, gloo).

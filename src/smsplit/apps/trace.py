@@ -1,20 +1,42 @@
 """`smsplit trace`: the SM split made visible.
 
+    from smsplit.apps.trace import TraceConfig, run
+    summary = run(TraceConfig(out_dir="smsplit-report/trace", comm_sms=20))
+
 On a GPU: give communication 20 SMs (green contexts, or grid mode where the driver has none), run
 a bandwidth-bound comm kernel beside a cuBLAS GEMM, and write an SM-by-time trace of where every
 block ran. On a CPU-only machine: print what this machine offers and what a GPU run would show.
-(`smsplit demo`, the main job, trains the MoE model: `smsplit.moe.train.run_demo`.)
+(`smsplit demo`, the main job, trains the MoE model: `smsplit.apps.demo`.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from smsplit import info
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Where `run` writes its report (``out_dir``, made if missing) and how many SMs it asks for communication
+    (``comm_sms``, an int >= 1; the GPU must leave at least one for compute, checked by `run`). Bad values raise
+    ValueError when the config is made."""
+
+    out_dir: str = "smsplit-report/trace"
+    comm_sms: int = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 1:
+            raise ValueError(f"comm_sms must be an int >= 1, got {self.comm_sms!r}")
+        if not isinstance(self.out_dir, (str, os.PathLike)):
+            raise ValueError(f"out_dir must be a path, got {self.out_dir!r}")
+        object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
 
 
 def cpu_explanation(comm_sms: int) -> str:
@@ -64,11 +86,15 @@ def _gpu_demo(out: Path, comm_sms: int, console) -> dict:
         return summary
 
 
-def run(out: str = "smsplit-report", comm_sms: int = 20) -> dict:
+def run(config: TraceConfig) -> dict:
+    """On a GPU: the traced comm kernel beside a GEMM (`_gpu_demo`); on a CPU-only machine: what a GPU would show.
+    Writes ``summary.json`` (and on a GPU the trace) to ``config.out_dir``; returns the summary. A request the GPU
+    cannot grant and a report folder that cannot be made raise ValueError before anything runs."""
     from rich.console import Console
 
-    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
-        raise ValueError(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if not isinstance(config, TraceConfig):
+        raise TypeError(f"run takes a TraceConfig, got {config!r}")
+    out, comm_sms = config.out_dir, config.comm_sms
     if torch.cuda.is_available():  # a request the GPU cannot grant at all fails before the report folder exists
         from smsplit.budget import plan_split
 

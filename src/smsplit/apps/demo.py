@@ -1,8 +1,11 @@
-"""Train the tiny DeepSeek-style model with expert parallelism and DualPipeV: the `smsplit demo` workload.
+"""`smsplit demo`: train the tiny DeepSeek-style model with expert parallelism and DualPipeV.
+
+    from smsplit.apps.demo import DemoConfig, run
+    summary = run(DemoConfig(out_dir="smsplit-report/moe", steps=200))
 
 ``world = ep * pp`` processes. Ranks with the same pipeline rank form an EP group (they hold different experts
 and see different data); ranks with the same EP rank form a DualPipeV pipeline. On a CPU-only machine
-`run_demo` spawns 2 gloo processes (EP 2, one pipeline rank holding both legs of the V) and uses the
+`run` spawns 2 gloo processes (EP 2, one pipeline rank holding both legs of the V) and uses the
 reference EP transport; with 2+ GPUs it runs one process per GPU over NCCL with an `SmBudget` splitting each
 GPU's SMs between the comm and compute streams.
 
@@ -20,7 +23,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -28,10 +31,110 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from smsplit.launch import free_port
 from smsplit.moe.model import ModelConfig, build_stages
 from smsplit.moe.overlap import COMM, PieceRunner, piece_of
 from smsplit.moe.router import update_biases
 from smsplit.timeouts import timeout_problem
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What `run` trains and where it writes the report. Bad values, and ``device="cuda"`` on a machine with
+    fewer GPUs than ``world_size``, raise ValueError when the config is made (a ``comm_sms`` the GPUs cannot grant
+    and a report folder that cannot be made when `run` starts), so before any process starts.
+
+    Args:
+        out_dir: the report folder (loss curve, pipeline timeline, summary.json); made if missing.
+        steps: training steps (>= 1).
+        device: "cpu" (``world_size`` gloo processes, reference EP transport), "cuda" (one process per GPU,
+            NCCL, SM budget of ``comm_sms``) or "auto" (cuda when ``world_size`` GPUs are present).
+        world_size: processes; ``world_size / pp`` of them form each EP group.
+        pp: DualPipeV pipeline ranks (1: each process runs both legs of the V itself).
+        chunks: micro-batches per step (>= 2 * pp); batch: sequences per EP rank per step (divisible by chunks).
+        seed: seed of the model's initialization and of the synthetic data, an int in [0, 2**32).
+        lr: AdamW learning rate, a finite number > 0.
+        comm_sms: SMs asked for communication on each GPU (`SmBudget`: green contexts, else grid mode); fewer
+            than the GPU's SMs, checked by `run` before any process starts; unused on CPU.
+        model: the model, a `ModelConfig` or a dict of `ModelConfig` fields (the others at their defaults).
+        progress: show rank 0's progress bar (or its periodic lines when the output is not a terminal).
+        timeout_s: bound on every wait for a peer: the process groups' timeout (init, the EP and pipeline groups),
+            the EP buffer's and the pipeline's waits.
+    """
+
+    out_dir: str = "smsplit-report/moe"
+    steps: int = 200
+    device: str = "auto"
+    world_size: int = 2
+    pp: int = 1
+    chunks: int = 2
+    batch: int = 16
+    seed: int = 0
+    lr: float = 3e-3
+    comm_sms: int = 20
+    model: ModelConfig = field(default_factory=ModelConfig)
+    progress: bool = True
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "world_size", "pp", "chunks", "batch", "comm_sms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        seed, lr, device, pp = self.seed, self.lr, self.device, self.pp
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        if problem := timeout_problem(self.timeout_s):
+            raise ValueError(f"timeout_s: {problem}")
+        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        gpus = _gpu_count()
+        if device == "cuda" and gpus < self.world_size:
+            raise ValueError(f"device='cuda' runs one process per GPU: world_size={self.world_size} needs "
+                             f"{self.world_size} CUDA GPUs, this machine has {gpus} (device='cpu' runs gloo "
+                             f"processes)")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be a bool, got {self.progress!r}")
+        if not isinstance(self.out_dir, (str, os.PathLike)):
+            raise ValueError(f"out_dir must be a path, got {self.out_dir!r}")
+        object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+        if isinstance(self.model, dict):
+            known = {f.name for f in fields(ModelConfig)}
+            if unknown := sorted(set(self.model) - known):
+                raise ValueError(f"model: ModelConfig has no field {', '.join(map(repr, unknown))}")
+            object.__setattr__(self, "model", ModelConfig(**self.model))
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"model must be a ModelConfig or a dict of its fields, got {self.model!r}")
+        if self.chunks < 2 * pp:
+            raise ValueError(f"chunks={self.chunks} must be at least 2 * pp = {2 * pp} (DualPipeV)")
+        if self.world_size % pp:
+            raise ValueError(f"world_size={self.world_size} must be a multiple of pp={pp}")
+        if self.batch % self.chunks:
+            raise ValueError(f"batch={self.batch} must divide into chunks={self.chunks} micro-batches")
+        cfg = self.model
+        if cfg.n_experts % self.ep:
+            raise ValueError(f"n_experts={cfg.n_experts} must divide evenly over the {self.ep} EP ranks "
+                             f"(world_size={self.world_size} / pp={pp})")
+        if cfg.n_layers % (2 * pp):
+            raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp = {2 * pp} stages (DualPipeV)")
+
+    @property
+    def ep(self) -> int:
+        """Ranks in each EP group."""
+        return self.world_size // self.pp
+
+    @property
+    def ep_backend(self) -> str:
+        """The EP transport: on GPUs our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine;
+        messages they do not move, the fp32 gradients, take the reference transport inside the same `Buffer`);
+        on CPU the reference transport."""
+        return "nvlink" if self.device == "cuda" else "reference"
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def synthetic_batch(cfg: ModelConfig, batch: int, seed: int, step: int, slot: int) -> torch.Tensor:
@@ -60,57 +163,53 @@ def _budget(comm_sms: int, device):
         return SmBudget(comm_sms, device=device, mode="grid")
 
 
-def _worker(rank: int, world: int, port: int, opts: dict) -> None:
-    from smsplit.ep import Buffer
-    from smsplit.pipeline import DualPipeV
-
+def _worker(rank: int, port: int, config: DemoConfig) -> None:
+    """One rank of `run`: joins the process group of ``config.world_size`` ranks and trains."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    on_gpu = opts["device"] == "cuda"
+    world = config.world_size
+    on_gpu = config.device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    timeout = datetime.timedelta(seconds=opts["timeout_s"])
+    timeout = datetime.timedelta(seconds=config.timeout_s)
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timeout)
     try:
-        _train(rank, world, opts, Buffer, DualPipeV)
+        _train(rank, config)
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
-    cfg = ModelConfig(**opts["model"])
-    pp, ep = opts["pp"], world // opts["pp"]
+def _train(rank: int, config: DemoConfig) -> None:
+    from smsplit.ep import Buffer
+    from smsplit.pipeline import DualPipeV
+
+    cfg, world, pp, ep = config.model, config.world_size, config.pp, config.ep
     pp_rank, ep_rank = divmod(rank, ep)
-    timeout = datetime.timedelta(seconds=opts["timeout_s"])  # (a new group's default is torch's: 10-30 minutes)
+    timeout = datetime.timedelta(seconds=config.timeout_s)  # (a new group's default is torch's: 10-30 minutes)
     ep_groups = [dist.new_group(list(range(p * ep, (p + 1) * ep)), timeout=timeout) for p in range(pp)]
     pp_groups = [dist.new_group(list(range(e, world, ep)), timeout=timeout) for e in range(ep)]
     ep_group, pp_group = ep_groups[pp_rank], pp_groups[ep_rank]
-    device = torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
 
-    chunks, batch = opts["chunks"], opts["batch"]
-    budget = _budget(opts["comm_sms"], device) if device.type == "cuda" else None
+    chunks, batch, steps = config.chunks, config.batch, config.steps
+    budget = _budget(config.comm_sms, device) if device.type == "cuda" else None
     runner = PieceRunner(budget.comm_stream if budget else None, budget.compute_stream if budget else None,
                          record=True)
-    m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=opts["seed"])
-    m0.to(device), m1.to(device)
     buffer = None
     if ep > 1:  # sized for the largest message: the backward's gradients with top-k weights
-        backend = opts["ep_backend"]
+        backend = config.ep_backend
         tokens = batch // chunks * cfg.seq_len
         nbytes = max(Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, x_dtype=torch.float32, fp8=False,
                                                  combine_dtype=torch.float32),
                      Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, backend=backend))
-        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=opts["timeout_s"])
-    for stage in (m0, m1):
-        stage.runner = runner
-        for block in stage.blocks:
-            block.moe.buffer = buffer
-    pipe = DualPipeV((m0, m1), process_group=pp_group, timeout_s=opts["timeout_s"])
+        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=config.timeout_s)
+    m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=config.seed, runner=runner, buffer=buffer)
+    m0.to(device), m1.to(device)
     params = list({id(p): p for m in (m0, m1) for p in m.parameters()}.values())
     expert_params = {id(p) for m in (m0, m1) for b in m.blocks for p in b.moe.experts.parameters()}
     replicated = [p for p in params if id(p) not in expert_params]
-    optimizer = torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     routers = [b.moe.router for m in (m0, m1) for b in m.blocks]
 
     scale = 1.0 / (chunks * ep)  # the step's loss is the mean over every token of every EP rank
@@ -141,7 +240,7 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         kind = "B" if op.kind == "B" and not op.split else op.kind
         if op.kind == "B" and op.split:
             kind = "Bi"
-        if timing["step"] > 0 or opts["steps"] == 1:  # step 0 includes one-time set-up: kept only if alone
+        if timing["step"] > 0 or steps == 1:  # step 0 includes one-time set-up: kept only if alone
             op_times.setdefault(kind, []).append(time.perf_counter() - timing["t0"])
         if op.kind == "FB" and trace_state["want"]:
             trace_state["want"] = False
@@ -149,18 +248,18 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
             trace_state["intervals"] = runner.exposed_comm() | {"pieces": _piece_rows(runner)}
             runner.intervals = trace_state.pop("before") + runner.intervals
 
-    pipe.op_hook = op_hook
+    pipe = DualPipeV((m0, m1), process_group=pp_group, timeout_s=config.timeout_s, op_hook=op_hook)
     is_reporter = rank == 0
     losses, rates, exposed = [], [], []
-    progress = _progress(opts["steps"]) if is_reporter and opts["progress"] else None
+    progress = _progress(steps) if is_reporter and config.progress else None
     tokens_per_step = batch * cfg.seq_len * ep
     start_all = time.perf_counter()
-    for step in range(opts["steps"]):
-        tokens = synthetic_batch(cfg, batch, opts["seed"], step, ep_rank).to(device)
+    for step in range(steps):
+        tokens = synthetic_batch(cfg, batch, config.seed, step, ep_rank).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         optimizer.zero_grad(set_to_none=True)
         runner.intervals.clear()
-        trace_state["want"] = step == opts["steps"] - 1
+        trace_state["want"] = step == steps - 1
         timing["step"] = step
         t0 = time.perf_counter()
         with _phase(rank, lambda: f"step {step}: " + (f"pipeline op {timing['op']}" if timing.get("op")
@@ -183,16 +282,15 @@ def _train(rank: int, world: int, opts: dict, Buffer, DualPipeV) -> None:
         exposed.append(shares["exposed_fraction"])
         if progress is not None:
             progress[0].update(progress[1], advance=1, loss=losses[-1], tps=rates[-1], exposed=100 * exposed[-1])
-            if not progress[0].console.is_terminal and (step + 1) % max(1, opts["steps"] // 10) == 0:
-                progress[0].console.print(f"step {step + 1}/{opts['steps']}: loss {losses[-1]:.3f}, "
+            if not progress[0].console.is_terminal and (step + 1) % max(1, steps // 10) == 0:
+                progress[0].console.print(f"step {step + 1}/{steps}: loss {losses[-1]:.3f}, "
                                           f"{rates[-1]:,.0f} tok/s, exposed comm {100 * exposed[-1]:.1f}%")
     wall = time.perf_counter() - start_all
     if progress is not None:
         progress[0].stop()
 
     if is_reporter:
-        _report(Path(opts["out_dir"]), opts, cfg, losses, rates, exposed, op_times, trace_state, budget, pp,
-                chunks, wall, ep)
+        _report(config, losses, rates, exposed, op_times, trace_state, budget, wall)
     if budget is not None:
         budget.close()
 
@@ -246,7 +344,7 @@ def _progress(steps: int):
     return progress, task
 
 
-def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state, budget, pp, chunks, wall, ep):
+def _report(config: DemoConfig, losses, rates, exposed, op_times, trace_state, budget, wall):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,12 +352,13 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
 
     from smsplit.pipeline import simulate
 
+    out, cfg, pp, ep, chunks = Path(config.out_dir), config.model, config.pp, config.ep, config.chunks
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(1, len(losses) + 1), losses)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
-    ax.set_title(f"tiny DeepSeek-style MoE, EP {ep} x DualPipeV {pp} ({opts['device']})")
+    ax.set_title(f"tiny DeepSeek-style MoE, EP {ep} x DualPipeV {pp} ({config.device})")
     fig.tight_layout()
     fig.savefig(out / "loss_curve.png", dpi=110)
     plt.close(fig)
@@ -278,7 +377,7 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
     pieces = (trace_state.get("intervals") or {}).get("pieces", [])
     if pieces:
         _draw_pieces(pieces, out / "overlap_timeline.png",
-                     f"one F&B step, {opts['device']}: exposed communication "
+                     f"one F&B step, {config.device}: exposed communication "
                      f"{100 * trace_state['intervals']['exposed_fraction']:.1f}% of the step")
     if trace_state.get("trace") is not None:
         trace_state["trace"].save_png(out / "sm_trace.png", title=f"one overlapped F&B step, {budget!r}",
@@ -286,9 +385,9 @@ def _report(out: Path, opts, cfg, losses, rates, exposed, op_times, trace_state,
         trace_state["trace"].save_chrome(out / "sm_trace.json")
     tail = max(1, len(rates) // 2)
     summary = dict(
-        device=opts["device"], world=opts["world_size"], ep=ep, pp=pp, chunks=chunks, steps=len(losses),
-        seed=opts["seed"], model=asdict(cfg), budget=repr(budget) if budget is not None else None,
-        ep_backend=opts["ep_backend"], first_losses=losses[:10], final_loss=losses[-1] if losses else None,
+        device=config.device, world=config.world_size, ep=ep, pp=pp, chunks=chunks, steps=len(losses),
+        seed=config.seed, model=asdict(cfg), budget=repr(budget) if budget is not None else None,
+        ep_backend=config.ep_backend, first_losses=losses[:10], final_loss=losses[-1] if losses else None,
         loss_fell=bool(losses and min(losses[-5:]) < losses[0]),
         tokens_per_s=sum(rates[-tail:]) / tail if rates else 0.0,
         exposed_comm_fraction=sum(exposed[-tail:]) / tail if exposed else 0.0,
@@ -320,68 +419,16 @@ def _draw_pieces(rows, path, title):
     plt.close(fig)
 
 
-def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: str = "auto", world_size: int = 2,
-             pp: int = 1, chunks: int = 2, batch: int = 16, seed: int = 0, lr: float = 3e-3, comm_sms: int = 20,
-             model: dict | None = None, progress: bool = True, timeout_s: float = 120.0) -> dict:
-    """Train the tiny MoE model for ``steps`` steps and write the report to ``out_dir``; returns the summary.
-
-    Args:
-        out_dir: the report folder (loss curve, pipeline timeline, summary.json); made if missing.
-        steps: training steps (>= 1).
-        seed: seed of the model's initialization and of the synthetic data, an int in [0, 2**32).
-        lr: AdamW learning rate, a finite number > 0.
-        comm_sms: SMs asked for communication on each GPU (`SmBudget`: green contexts, else grid mode); fewer
-            than the GPU's SMs, checked before any process starts; unused on CPU.
-        progress: show rank 0's progress bar (or its periodic lines when the output is not a terminal).
-        device: "cpu" (``world_size`` gloo processes, reference EP transport), "cuda" (one process per GPU,
-            NCCL, SM budget of ``comm_sms``) or "auto" (cuda when ``world_size`` GPUs are present).
-        world_size: processes; ``world_size / pp`` of them form each EP group.
-        pp: DualPipeV pipeline ranks (1: each process runs both legs of the V itself).
-        chunks: micro-batches per step (>= 2 * pp); batch: sequences per EP rank per step (divisible by chunks).
-        model: overrides of `ModelConfig` fields.
-        timeout_s: bound on every wait for a peer: the process groups' timeout (init, the EP and pipeline groups),
-            the EP buffer's and the pipeline's waits.
-    """
-    for name, value in (("steps", steps), ("world_size", world_size), ("pp", pp), ("chunks", chunks), ("batch", batch),
-                        ("comm_sms", comm_sms)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-    if problem := timeout_problem(timeout_s):
-        raise ValueError(f"timeout_s: {problem}")
-    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "auto":
-        device = "cuda" if gpus >= world_size else "cpu"
-    if device == "cuda" and gpus < world_size:
-        raise ValueError(f"device='cuda' runs one process per GPU: world_size={world_size} needs {world_size} CUDA "
-                         f"GPUs, this machine has {gpus} (device='cpu' runs gloo processes)")
-    if chunks < 2 * pp:
-        raise ValueError(f"chunks={chunks} must be at least 2 * pp = {2 * pp} (DualPipeV)")
-    if world_size % pp:
-        raise ValueError(f"world_size={world_size} must be a multiple of pp={pp}")
-    if batch % chunks:
-        raise ValueError(f"batch={batch} must divide into chunks={chunks} micro-batches")
-    opts = dict(out_dir=str(out_dir), steps=steps, device=device, world_size=world_size, pp=pp, chunks=chunks,
-                batch=batch, seed=seed, lr=lr, comm_sms=comm_sms, model=model or {}, progress=progress,
-                timeout_s=timeout_s,
-                # GPUs: our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine); messages they
-                # do not move (fp32 gradients) take the reference transport inside the same Buffer
-                ep_backend="nvlink" if device == "cuda" else "reference")
-    try:  # reject bad overrides, and a model this layout cannot build, before spawning
-        cfg = ModelConfig(**opts["model"])
-    except TypeError as e:  # a field ModelConfig does not have
-        raise ValueError(f"model: {e}") from e
-    if cfg.n_experts % (world_size // pp):
-        raise ValueError(f"n_experts={cfg.n_experts} must divide evenly over the {world_size // pp} EP ranks "
-                         f"(world_size={world_size} / pp={pp})")
-    if cfg.n_layers % (2 * pp):
-        raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp = {2 * pp} stages (DualPipeV)")
-    if device == "cuda":
+def run(config: DemoConfig) -> dict:
+    """Train the tiny MoE model as ``config`` says and write the report to ``config.out_dir``; returns the
+    summary (what ``summary.json`` holds). A ``comm_sms`` that leaves a GPU no compute SM, even in grid mode,
+    and a report folder that cannot be made raise ValueError before any process starts."""
+    if not isinstance(config, DemoConfig):
+        raise TypeError(f"run takes a DemoConfig, got {config!r}")
+    world_size, comm_sms = config.world_size, config.comm_sms
+    if config.device == "auto":
+        config = replace(config, device="cuda" if _gpu_count() >= world_size else "cpu")
+    if config.device == "cuda":
         from smsplit.budget import plan_split
 
         for gpu in range(world_size):  # what grid mode (the fallback from green contexts) cannot grant either
@@ -389,13 +436,12 @@ def run_demo(out_dir: str = "smsplit-report/moe", steps: int = 200, *, device: s
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    out_dir = Path(config.out_dir)
     try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission
-        raise ValueError(f"out_dir: cannot make the report folder {str(out_dir)!r}: {e}") from e
-    summary_path = Path(out_dir) / "summary.json"
+        raise ValueError(f"out_dir: cannot make the report folder {config.out_dir!r}: {e}") from e
+    summary_path = out_dir / "summary.json"
     summary_path.unlink(missing_ok=True)
-    from smsplit.ep.testing import free_port
-
-    mp.spawn(_worker, args=(world_size, free_port(), opts), nprocs=world_size, join=True)
+    mp.spawn(_worker, args=(free_port(), config), nprocs=world_size, join=True)
     return json.loads(summary_path.read_text())

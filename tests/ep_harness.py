@@ -1,4 +1,5 @@
-"""A pool of processes in one process group, to run many multi-rank test cases without respawning.
+"""Test harness for multi-rank tests (tests only; the library never imports it): a pool of processes in one
+process group, to run many multi-rank test cases without respawning.
 
     pool = gloo_pool(4)                       # started once, reused by every caller in this process
     pool = process_pool(2, "nccl")            # rank r on cuda:r
@@ -16,8 +17,6 @@ more ranks than there are GPUs.
 import atexit
 import os
 import queue
-import random
-import socket
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
@@ -25,22 +24,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous. Taken below the kernel's
-    ephemeral range (``ip_local_port_range``, 32768-60999 by default), where NCCL's and gloo's own sockets get
-    their ports: a port the kernel handed out as ephemeral can be handed out again, to one of those sockets,
-    between this check and the rendezvous (the EADDRINUSE a GPU test run once hit)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port between 20000 and 32000 on 127.0.0.1")
+from smsplit.launch import free_port
 
 
 def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +194,7 @@ def _one_gpu_rank(rank: int, world_size: int, port: int, timeout_s: float, inbox
 
     import torch.distributed as dist
 
-    from . import copy_engine, nvlink
+    from smsplit.ep import copy_engine, nvlink
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
