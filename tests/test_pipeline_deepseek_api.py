@@ -711,3 +711,40 @@ def test_freeable_reads_what_autograd_holds_without_hooks(device):
     # what they saved still serves the backward, and the custom Function's weight is the parameter itself
     (g.sum() + e.sum() + m.sum() + s.sum()).backward()
     assert weight.grad is not None and torch.allclose(weight.grad, x.detach().sum(0).expand(5, 3))
+
+
+def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    """The examples' flow as published: one GPU per rank, NCCL, CUDA as the default device."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.cuda.set_device(rank)
+    torch.set_default_device(f"cuda:{rank}")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    results = {}
+    try:
+        for name, flow in (("dualpipe", example_dualpipe), ("dualpipev", example_dualpipev)):
+            for cls in (ExampleStageWithHook, ExampleStage):
+                try:
+                    results[f"{name}-{cls.__name__}"] = {"ok": True, **flow(rank, world, cls)}
+                except Exception:  # noqa: BLE001 - recorded, then asserted by the test
+                    results[f"{name}-{cls.__name__}"] = {"ok": False, "traceback": traceback.format_exc()}
+    finally:
+        set_p2p_tensor_shapes(None)
+        set_p2p_tensor_dtype(None)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_deepseek_example_flow_on_gpus_with_nccl():
+    world = 2
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_nccl_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
+        recs = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
+    assert len(recs[0]) == 4
+    for r, per_rank in enumerate(recs):
+        for name, rec in per_rank.items():
+            assert rec["ok"], f"{name} failed on rank {r}:\n{rec.get('traceback')}"
+            assert rec["worst_cal_diff"] < 1e-13, (name, r, rec)
