@@ -384,7 +384,7 @@ def _bad_labels(rank, world, how):
         data = make_data("dualpipev", world, 4)
         inputs, labels = step_args("dualpipev", world, rank, data)
         if rank == 0:
-            labels = {"tensor": labels[0], "size": (labels[0][: 2 * ROWS],)}[how]
+            labels = {"dict": {"y": labels[0]}, "size": (labels[0][: 2 * ROWS],)}[how]
         pipe.step(*inputs, num_chunks=4, criterion=criterion, labels=labels)
     return expect_error(run)
 
@@ -404,7 +404,7 @@ def _shapes_change(rank, world):
 
 scenario("err-ranks-disagree-chunks", 2)(lambda rank, world: _ranks_disagree(rank, world, "chunks"))
 scenario("err-ranks-disagree-mode", 2)(lambda rank, world: _ranks_disagree(rank, world, "mode"))
-scenario("err-labels-tensor", 2)(lambda rank, world: _bad_labels(rank, world, "tensor"))
+scenario("err-labels-dict", 2)(lambda rank, world: _bad_labels(rank, world, "dict"))
 scenario("err-labels-size", 2)(lambda rank, world: _bad_labels(rank, world, "size"))
 scenario("err-empty-batch", 2)(lambda rank, world: _step_error("dualpipev", 4, rows=0))
 scenario("err-shapes-change", 2)(_shapes_change)
@@ -679,7 +679,7 @@ def test_ranks_that_disagree_all_raise_before_any_message(name, words):
 
 
 @pytest.mark.parametrize("name, error, words", [
-    ("err-labels-tensor", "TypeError", "labels must be a tuple or list of tensors"),
+    ("err-labels-dict", "TypeError", "labels must be a tensor, or a tuple or list of tensors, got dict"),
     ("err-empty-batch", "ValueError", "divisible into 4 micro-batches"),
     ("err-shapes-change", "ValueError", "call reset_shapes() on every rank first")])
 def test_bad_inputs_on_one_rank_stop_every_rank(name, error, words):

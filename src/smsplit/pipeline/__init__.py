@@ -1,7 +1,16 @@
 """Pipeline parallelism: DualPipe / DualPipeV runtimes, zero-bubble weight-gradient deferral, and
 a schedule simulator that times the very op lists the runtimes execute."""
 
-from .dualpipe import DualPipe, DualPipeV, PipelineError, PipelineTimeoutError, run_backward, sum_stage_copies
+from .dualpipe import (
+    DualPipe,
+    DualPipeV,
+    PipelineError,
+    PipelineTimeoutError,
+    run_backward,
+    set_p2p_tensor_dtype,
+    set_p2p_tensor_shapes,
+    sum_stage_copies,
+)
 from .schedule import (
     KINDS,
     SYNCS,
@@ -33,6 +42,8 @@ __all__ = [
     "comm_plans",
     "run_backward",
     "schedule",
+    "set_p2p_tensor_dtype",
+    "set_p2p_tensor_shapes",
     "simulate",
     "sum_stage_copies",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ from .schedule import (
     comm_plan,
     header_first,
     lanes,
+    stage_of,
 )
 from .weight_grad import WeightGradStore
 
@@ -31,6 +33,72 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _DTYPES.append(getattr(torch, _name))
+
+
+_declared_shapes: tuple[tuple[int, ...], ...] | None = None
+_declared_dtype: torch.dtype | None = None
+
+
+def set_p2p_tensor_shapes(shapes) -> None:
+    """Declare the shapes of the tensors every pipeline stage sends to the next, one shape per tensor of a
+    micro-batch (DeepSeek's `dualpipe.set_p2p_tensor_shapes`). None takes the declaration back.
+
+    The runtime learns what ranks send anyway (see `DualPipe`), so the declaration is a check: the first step
+    after it (or after `reset_shapes`) compares what every stage sent with it, and if a stage sent other
+    shapes, every rank raises a ValueError naming that stage and its rank at the end of that step (the step
+    itself ran with the shapes it learned). Applies to every DualPipe and DualPipeV of the process, on every
+    stream; call it with the same value on every rank (a step on ranks that declared differently raises a
+    ValueError on every rank before it starts)."""
+    global _declared_shapes
+    if shapes is None:
+        _declared_shapes = None
+        return
+    if isinstance(shapes, torch.Size) or not isinstance(shapes, (list, tuple)) or not shapes:
+        raise TypeError(f"set_p2p_tensor_shapes: give a list of shapes, one per tensor a stage sends, e.g. "
+                        f"[(micro_batch, seq, hidden)]; got {shapes!r}")
+    out = []
+    for i, shape in enumerate(shapes):
+        try:
+            if not isinstance(shape, (list, tuple, torch.Size)):
+                raise TypeError
+            dims = tuple(_int_arg(d, "", TypeError) for d in shape)
+        except TypeError:
+            raise TypeError(f"set_p2p_tensor_shapes: shape {i} must be a tuple of ints, got {shape!r}") from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"set_p2p_tensor_shapes: shape {i} has a negative size: {dims}")
+        out.append(dims)
+    _declared_shapes = tuple(out)
+
+
+def set_p2p_tensor_dtype(dtype: torch.dtype | None) -> None:
+    """Declare the dtype of every tensor the pipeline stages send (DeepSeek's `dualpipe.set_p2p_tensor_dtype`);
+    checked as `set_p2p_tensor_shapes` says. None takes the declaration back."""
+    global _declared_dtype
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"set_p2p_tensor_dtype: give a torch.dtype, got {dtype!r}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"set_p2p_tensor_dtype: the pipeline does not send {dtype}; use one of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}")
+    _declared_dtype = dtype
+
+
+def _declaration():
+    """The declared (shapes, dtype), either None where not declared; None when neither is."""
+    if _declared_shapes is None and _declared_dtype is None:
+        return None
+    return _declared_shapes, _declared_dtype
+
+
+def _declaration_differs(meta, declared) -> bool:
+    """Whether the (shape, dtype) list ``meta`` of what a stage sends differs from ``declared``."""
+    shapes, dtype = declared
+    if shapes is not None and [tuple(s) for s, _ in meta] != list(shapes):
+        return True
+    return dtype is not None and any(d != dtype for _, d in meta)
+
+
+def _describe(meta) -> str:
+    return "[" + ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in meta) + "]"
 
 
 def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -73,6 +141,14 @@ def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+def _as_list(outputs) -> list:
+    """A stage's outputs as a list (a tensor, or a tuple/list of them); [] for anything else, which
+    `_check_sent_outputs` refuses."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return list(outputs) if isinstance(outputs, (tuple, list)) else []
+
+
 def _send_problem(outputs: list) -> str | None:
     """Why stage outputs cannot be sent to another rank, or None."""
     for i, t in enumerate(outputs):
@@ -89,13 +165,25 @@ def _send_problem(outputs: list) -> str | None:
     return None
 
 
+def _outer_saved_tensor_hooks() -> bool:
+    """Whether the caller runs under saved-tensor hooks of its own (e.g. save_on_cpu)."""
+    return (torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+
+
 @contextlib.contextmanager
 def _saved_storages():
     """Yields the set of storage addresses of the tensors that autograd saves for backward inside the
     block (None where saved-tensor hooks are disabled: nothing known). A pair of saved-tensor hooks
     already active (e.g. save_on_cpu) still packs and unpacks; otherwise tensors are kept detached
     (an output kept as is would hold its own grad_fn), and unpacking checks, as autograd does without
-    hooks, that they were not modified in place."""
+    hooks, that they were not modified in place.
+
+    The pipeline uses it only where the caller's own saved-tensor hooks are active (see `_freeable`): under
+    any saved-tensor hooks, autograd hands an autograd Function's backward new tensor objects from
+    ctx.saved_tensors, not the ones it saved, so a Function that sets ``.grad`` on a saved parameter (the
+    deferred weight-gradient pattern of DeepSeek's examples) would set it on a copy. Under the caller's
+    hooks that is so without a pipeline too."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         yield None
         return
@@ -124,6 +212,58 @@ def _saved_storages():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield storages
+
+
+_EXCLUSIVE: dict[torch.device, int] = {}  # device -> `_storage_count` of a tensor that shares its storage with none
+
+
+def _storage_count(t: torch.Tensor) -> int | None:
+    """How many references `torch._C._storage_Use_Count` counts on the storage of ``t`` (the Python storage
+    object it is given included); None where torch does not have it."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    storage = t.untyped_storage()
+    return count(storage._cdata)
+
+
+def _storage_is_exclusive(t: torch.Tensor) -> bool:
+    """Whether no tensor but ``t`` holds its storage (True where torch cannot count: freeing ``t`` is safe
+    then, only perhaps in vain)."""
+    if t.device not in _EXCLUSIVE:
+        _EXCLUSIVE[t.device] = _storage_count(torch.empty(1, dtype=t.dtype, device=t.device))
+    count = _EXCLUSIVE[t.device]
+    return count is None or _storage_count(t) == count
+
+
+def _freeable(outputs, inputs, saved: set | None = None) -> list[bool]:
+    """For each of a stage's outputs, taken right after its forward: whether the pipeline may free its storage
+    once it is sent (its autograd graph stays).
+
+    An output may be freed when it is neither a view, nor a leaf (a parameter, or an input handed through), nor
+    one of the stage's inputs, and autograd did not save it for the backward. Without ``saved`` (the storages
+    `_saved_storages` recorded under the caller's saved-tensor hooks) that is read from reference counts, so
+    that no saved-tensor hooks of the pipeline's own run in the forward: autograd holds a tensor it saves as
+    an input of an op (the tensor itself, a count more on it), and a new alias of the storage for one an op
+    saves as its output (a count more on the storage, which freeing the tensor would not free). Anything else
+    holding the tensor or its storage (a view, a cache of the stage) keeps it too."""
+    use_count = getattr(torch.Tensor, "_use_count", None)
+    if saved is None and use_count is None:
+        return [False] * len(outputs)  # (nothing known)
+    out = []
+    for t in outputs:
+        ok = (isinstance(t, torch.Tensor) and t._base is None and t.grad_fn is not None
+              and not any(t is i for i in inputs))
+        if ok:
+            try:
+                if saved is not None:
+                    ok = t.untyped_storage().data_ptr() not in saved
+                else:
+                    ok = use_count(t) == 1 and _storage_is_exclusive(t)
+            except (RuntimeError, NotImplementedError, TypeError):  # (no plain storage: sparse, some subclasses)
+                ok = False
+        out.append(ok)
+    return out
 
 
 MAX_CHUNKS = (1 << 31) - 1  # far above any batch's micro-batches
@@ -155,7 +295,7 @@ def _decode_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dt
 class _Pipeline(nn.Module):
     kind = ""
 
-    def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
+    def __init__(self, modules: Sequence[nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None,
                  rank_mapping: list[int] | None = None, *, timeout_s: float | None = None,
                  op_hook: Callable[[Op, str], None] | None = None) -> None:
@@ -165,9 +305,12 @@ class _Pipeline(nn.Module):
             raise ValueError(f"{name}: timeout_s: {problem} (or None)")
         if op_hook is not None and not callable(op_hook):
             raise TypeError(f"{name}: op_hook must be a function of (op, when) or None, got {op_hook!r}")
+        if isinstance(modules, (nn.Sequential, nn.ModuleList)):  # (DeepSeek's examples pass an nn.Sequential)
+            modules = list(modules)
         if not isinstance(modules, (tuple, list)) or len(modules) != 2 or not all(
                 isinstance(m, nn.Module) for m in modules):
-            raise TypeError(f"{name} takes modules=(module0, module1), two nn.Modules; got {modules!r}")
+            raise TypeError(f"{name} takes modules=(module0, module1) (a tuple, list, nn.Sequential or "
+                            f"nn.ModuleList of two nn.Modules); got {modules!r}")
         t0, t1 = type(modules[0]), type(modules[1])
         hooked = [t for t in (t0, t1) if hasattr(t, "overlapped_forward_backward")]
         if hooked and t0 is not t1:
@@ -210,6 +353,7 @@ class _Pipeline(nn.Module):
         self._known_streams: set = set()
         self._input_meta = None  # micro-batch shapes and dtypes of the inputs when the shapes were learned
         self._stream_meta: dict = {}
+        self._checked_declaration = None  # the declared p2p shapes/dtype last checked against the learned ones
         self.op_hook: Callable[[Op, str], None] | None = op_hook
         """Called as op_hook(op, "start") before and op_hook(op, "end") after each compute op."""
 
@@ -228,6 +372,7 @@ class _Pipeline(nn.Module):
         self._known_streams.clear()
         self._stream_meta.clear()
         self._input_meta = None
+        self._checked_declaration = None
 
     def _plan(self, num_chunks: int, forward_only: bool) -> list:
         key = (num_chunks, forward_only)
@@ -237,7 +382,7 @@ class _Pipeline(nn.Module):
 
     # ----------------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor, num_chunks: int = 0, criterion: Callable | None = None,
-             labels: Sequence[torch.Tensor] = (), return_outputs: bool = False):
+             labels: Sequence[torch.Tensor] | torch.Tensor = (), return_outputs: bool = False):
         """Run one training step (forward and backward of every micro-batch), or with
         torch.no_grad() one forward-only step.
 
@@ -247,16 +392,26 @@ class _Pipeline(nn.Module):
           enter at each end; DualPipeV: >= 2*ranks).
         criterion: loss, called as criterion(*stage_outputs, *labels) per micro-batch where a lane
           ends (DualPipe: first and last rank, DualPipeV: first rank); required there to train.
-        labels: tensors split like inputs. On DualPipe's first rank they belong to the inputs of
-          the last rank and vice versa, and must split into micro-batches of those inputs' size.
+        labels: a tensor or a tuple/list of tensors, split like inputs. On DualPipe's first rank they
+          belong to the inputs of the last rank and vice versa, and must split into micro-batches of
+          those inputs' size.
         return_outputs: also return the last stage's outputs.
 
         Returns (loss, outputs): loss is a tensor of num_chunks (DualPipe: num_chunks/2) detached
         per-micro-batch losses where a lane ends, else None; outputs are the last stage's outputs
         concatenated along batch_dim there when return_outputs, else None. Gradients accumulate
         into .grad as the sum over micro-batches of each loss's gradient.
+
+        The outputs are detached, also when training (DeepSeek's DualPipe returns them attached to
+        the step's graph): that graph has been through its backward already, so they could not be
+        differentiated again, and attached they would keep its nodes, and whatever autograd Functions
+        keep on their ctx, alive as long as the outputs live.
         """
         forward_only = not torch.is_grad_enabled()
+        if isinstance(labels, torch.Tensor):  # (DeepSeek's step takes one label tensor as it is)
+            labels = (labels,)
+        declared = _declaration()
+        check_declared = declared is not None and declared != self._checked_declaration
         first_module = [m for m, prev in self._prev.items() if prev is None]
         last_module = [m for m, nxt in self._next.items() if nxt is None]
         error = None
@@ -274,7 +429,8 @@ class _Pipeline(nn.Module):
             error = ValueError(f"{type(self).__name__}.step: rank {self.rank} failed to check its step arguments: "
                                f"{type(e).__name__}: {e}")
             error.__cause__ = e
-        self._agree_on_args(error, -1 if error is not None else num_chunks, forward_only, lane_sizes)
+        self._agree_on_args(error, -1 if error is not None else num_chunks, forward_only, lane_sizes,
+                            zlib.crc32(repr(declared).encode()) if declared is not None else 0, check_declared)
         per_lane = chunks_per_lane(self.kind, num_chunks)
         self._forward_only = forward_only
         self._return_outputs = return_outputs
@@ -294,7 +450,7 @@ class _Pipeline(nn.Module):
                 self._inputs[(first_module[0], c)] = [self._as_input(t) for t in chunk]
         WeightGradStore.clear()
         self._pending_sends = ([], [])
-        self._saved: dict[tuple[int, int], set | None] = {}  # storages autograd saved in the forward of a sent output
+        self._freeable: dict[tuple[int, int], list[bool]] = {}  # per sent output: may it be freed once sent
         self._rejected: tuple[tuple[int, int], ValueError] | None = None  # outputs whose stream's first header aborts
         try:
             for item in self._plan(num_chunks, forward_only):
@@ -307,10 +463,12 @@ class _Pipeline(nn.Module):
                     if self.op_hook is not None:
                         self.op_hook(item, "end")
             self._finish_sends()
-            if WeightGradStore.queue or WeightGradStore.cache:
+            if not WeightGradStore.funcs_queue.empty() or WeightGradStore.cache:
                 raise RuntimeError(f"{type(self).__name__}: deferred weight gradients left after the step")
         finally:
             WeightGradStore.clear()
+        if check_declared:
+            self._check_declaration(declared)
 
         loss = outputs = None
         if last_module:
@@ -321,7 +479,7 @@ class _Pipeline(nn.Module):
                            for ts in zip(*[self._results[c] for c in range(per_lane)])]
                 outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
         del self._inputs, self._outputs, self._out_meta, self._out_grads, self._in_grads, self._losses
-        del self._results, self._labels, self._saved
+        del self._results, self._labels, self._freeable
         return loss, outputs
 
     def _check_step_args(self, inputs, num_chunks, criterion, labels, forward_only, first_module, last_module,
@@ -348,9 +506,9 @@ class _Pipeline(nn.Module):
             if criterion is None and not forward_only:
                 raise ValueError(f"{name}.step: rank {self.rank} runs a last stage and needs a "
                                  f"criterion to train (or call step under torch.no_grad())")
-            if isinstance(labels, torch.Tensor) or not isinstance(labels, (tuple, list)):
-                raise TypeError(f"{name}.step: labels must be a tuple or list of tensors, got "
-                                f"{type(labels).__name__} (pass labels=(y,))")
+            if not isinstance(labels, (tuple, list)):
+                raise TypeError(f"{name}.step: labels must be a tensor, or a tuple or list of tensors, got "
+                                f"{type(labels).__name__}")
             if labels:
                 lane_sizes[self._lane_of[last_module[0]]][1] = self._split_check(labels, per_lane, "label") // per_lane
 
@@ -387,22 +545,25 @@ class _Pipeline(nn.Module):
             raise kind(f"{type(self).__name__} rank {self.rank}: {what}{limit}: {error}", self.rank, what) from error
 
     def _agree_on_args(self, error: Exception | None, num_chunks: int, forward_only: bool,
-                       lane_sizes: list[list[int]]) -> None:
+                       lane_sizes: list[list[int]], declared: int = 0, check_declared: bool = False) -> None:
         """All ranks learn whether any rank's step arguments are invalid, whether all ranks ask for the same
-        num_chunks and the same mode (training or forward only), and whether the labels of each lane, held
-        where it ends, split into micro-batches of the size of its inputs, held where it starts; so that all
-        raise before the first p2p message instead of some waiting for a peer that gave up or runs another
-        plan. The first call also creates the NCCL communicator with every rank taking part, which NCCL's
-        batched p2p needs."""
+        num_chunks and the same mode (training or forward only), whether all declared the same p2p shapes and
+        dtype (``declared``: a checksum of the declaration, 0 for none) and check them in this step, and
+        whether the labels of each lane, held where it ends, split into micro-batches of the size of its
+        inputs, held where it starts; so that all raise before the first p2p message instead of some waiting
+        for a peer that gave up or runs another plan. The first call also creates the NCCL communicator with
+        every rank taking part, which NCCL's batched p2p needs."""
         words = torch.tensor([0 if error is None else self.rank + 1, num_chunks, -num_chunks, int(forward_only),
-                              -int(forward_only), *itertools.chain(*lane_sizes)], device=self.device)
+                              -int(forward_only), declared, -declared, int(check_declared), -int(check_declared),
+                              *itertools.chain(*lane_sizes)], device=self.device)
         if self.num_ranks > 1:
             what = "agreeing with every rank on the step's arguments"
             self._wait(self._start(what, dist.all_reduce, words, op=dist.ReduceOp.MAX, group=self.group,
                                    async_op=True), what)
         if error is not None:
             raise error
-        flag, most, least, any_forward_only, all_forward_only, *sizes = words.tolist()
+        flag, most, least, any_forward_only, all_forward_only, declared_max, declared_min, any_check, all_check, \
+            *sizes = words.tolist()
         name = type(self).__name__
         if flag:
             raise ValueError(f"{name}.step: rank {flag - 1} rejected its step arguments (see its error); no rank "
@@ -413,6 +574,14 @@ class _Pipeline(nn.Module):
         if any_forward_only != -all_forward_only:
             raise ValueError(f"{name}.step: some ranks train and some run forward only (torch.no_grad()); no rank "
                              f"started the step")
+        if declared_max != -declared_min:
+            raise ValueError(f"{name}.step: the ranks declared different p2p tensor shapes or dtypes "
+                             f"(set_p2p_tensor_shapes, set_p2p_tensor_dtype; or some declared and some did not); "
+                             f"declare the same on every rank; no rank started the step")
+        if any_check != -all_check:
+            raise ValueError(f"{name}.step: some ranks have checked the declared p2p tensor shapes against the "
+                             f"learned ones and some have not (reset_shapes() was called on some ranks only); call "
+                             f"reset_shapes() on every rank; no rank started the step")
         for lane, input_size, label_size in zip(self._lanes, sizes[::2], sizes[1::2]):
             if input_size and label_size and input_size != label_size:
                 start, end = lane[0][0], lane[-1][0]
@@ -421,6 +590,43 @@ class _Pipeline(nn.Module):
                     f"{self.batch_dim}, but the inputs they label, on rank {start}, into micro-batches of "
                     f"{input_size}" + (f" (DualPipe's rank {end} holds the labels of rank {start}'s inputs)"
                                        if start != end else "") + "; no rank started the step")
+
+    def _check_declaration(self, declared) -> None:
+        """After a step: all ranks learn whether any stage sent other shapes or dtypes than `set_p2p_tensor_shapes`
+        and `set_p2p_tensor_dtype` declared, and all raise a ValueError naming the first such stage and its rank."""
+        name = type(self).__name__
+        mine, meta = 0, None
+        for m in (0, 1):
+            nxt = self._next.get(m)
+            if nxt is None or nxt[0] == self.rank:
+                continue
+            meta = self._stream_meta.get(("out", nxt[0], m))
+            if meta is not None and _declaration_differs(meta, declared):
+                mine = 2 * self.num_ranks - (2 * self.rank + m)  # the largest for the first rank and module
+                break
+        word = torch.tensor([mine], device=self.device)
+        if self.num_ranks > 1:
+            what = "agreeing with every rank on whether the stages sent the declared p2p tensor shapes"
+            self._wait(self._start(what, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=self.group,
+                                   async_op=True), what)
+        worst = int(word.item())
+        if not worst:
+            self._checked_declaration = declared
+            return
+        rank, m = divmod(2 * self.num_ranks - worst, 2)
+        lane, stage = stage_of(self.kind, self.num_ranks)[(rank, m)]
+        where = f"stage {stage}" + (f" of lane {lane}" if len(self._lanes) > 1 else "") + \
+            f" (modules[{m}] of pipeline rank {rank})"
+        sent = f"sends {_describe(meta)}" if rank == self.rank else \
+            f"sends other tensors (pipeline rank {rank}'s error says which)"
+        shapes, dtype = declared
+        wanted = " and ".join(
+            ([f"shapes {[tuple(s) for s in shapes]}"] if shapes is not None else [])
+            + ([f"dtype {str(dtype).removeprefix('torch.')}"] if dtype is not None else []))
+        raise ValueError(f"{name}.step: {where} {sent}, not the {wanted} declared with set_p2p_tensor_shapes / "
+                         f"set_p2p_tensor_dtype (one shape per tensor of a micro-batch); the step ran with what "
+                         f"the stages sent. Declare what the stages send on every rank, or take the declaration "
+                         f"back with set_p2p_tensor_shapes(None) and set_p2p_tensor_dtype(None)")
 
     def _split_check(self, tensors, per_lane: int, what: str) -> int:
         """Check that every tensor splits into ``per_lane`` non-empty micro-batches along batch_dim, all of one
@@ -481,9 +687,15 @@ class _Pipeline(nn.Module):
         if self._forward_only or self.overlapped_forward_backward or nxt is None or nxt[0] == self.rank:
             outputs = self.module[m](*inputs)
         else:  # the outputs are sent, then freed where autograd did not save them
-            with _saved_storages() as saved:
+            if _outer_saved_tensor_hooks():
+                with _saved_storages() as saved:
+                    outputs = self.module[m](*inputs)
+                freeable = _freeable(_as_list(outputs), inputs, saved) if saved is not None and None not in saved \
+                    else []
+            else:
                 outputs = self.module[m](*inputs)
-            self._saved[(m, c)] = saved
+                freeable = _freeable(_as_list(outputs), inputs)
+            self._freeable[(m, c)] = freeable
         criterion, labels = self._loss_fn(m, c)
         loss = criterion(*([outputs] if isinstance(outputs, torch.Tensor) else outputs), *labels) \
             if criterion is not None else None
@@ -667,20 +879,14 @@ class _Pipeline(nn.Module):
         self._pending_sends = ([], [])
 
     def _release_output(self, key: tuple[int, int]) -> None:
-        """Free the storage of sent outputs that autograd did not save for the backward; their autograd
-        graph stays."""
+        """Free the storage of sent outputs that `_freeable` found free to go at the forward; their autograd
+        graph stays. (With the overlap hook nothing is freed: a hook may use torch.autograd.backward, which
+        checks output shapes, and its forwards do not go through `_forward`.)"""
         if self._forward_only:
             del self._outputs[key]
             return
-        if self.overlapped_forward_backward:
-            return  # the hook may use torch.autograd.backward, which checks output shapes
-        saved = self._saved.pop(key, None)
-        if saved is None or None in saved:
-            return  # not known what autograd saved
-        inputs = self._inputs.get(key, [])
-        for t in self._outputs[key]:
-            if (t._base is None and t.grad_fn is not None and not any(t is i for i in inputs)
-                    and t.untyped_storage().data_ptr() not in saved):
+        for t, ok in zip(self._outputs[key], self._freeable.pop(key, [])):
+            if ok:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
@@ -732,8 +938,9 @@ class DualPipeV(_Pipeline):
 def sum_stage_copies(pipe: _Pipeline) -> None:
     """Add up the gradients of the two copies of each DualPipe stage (rank r's modules[0] and rank
     (ranks-1-r)'s modules[1]) so that both copies hold the full gradient and stay equal after an
-    optimizer step. One p2p exchange with the mirror rank. DualPipeV holds one copy of each stage:
-    nothing to do."""
+    optimizer step. A parameter whose copies both have no gradient (``.grad`` None) keeps none, as it
+    would without a pipeline; one copy's None counts as zeros. Two p2p exchanges with the mirror rank.
+    DualPipeV holds one copy of each stage: nothing to do."""
     if not isinstance(pipe, DualPipe):
         return
     partner = pipe.num_ranks - 1 - pipe.rank
@@ -750,12 +957,14 @@ def sum_stage_copies(pipe: _Pipeline) -> None:
         raise ValueError(f"sum_stage_copies: rank {pipe.rank} holds {mine.tolist()} (parameters, "
                          f"elements) but its mirror rank {partner} holds {theirs.tolist()}; the two "
                          f"copies of a stage must have the same parameters")
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=pipe.device)
+    has_theirs = torch.empty_like(has)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     received = [torch.empty_like(g) for g in grads]
-    ops = [dist.P2POp(dist.isend, g.contiguous(), peer, pipe.group) for g in grads]
-    ops += [dist.P2POp(dist.irecv, r, peer, pipe.group) for r in received]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, pipe.group) for t in (has, *grads)]
+    ops += [dist.P2POp(dist.irecv, r, peer, pipe.group) for r in (has_theirs, *received)]
     what = f"sum_stage_copies: exchanging gradients with mirror rank {partner}"
     for work in pipe._start(what, dist.batch_isend_irecv, ops):
         pipe._wait(work, what)
-    for p, g, r in zip(params, grads, received):
-        p.grad = g + r
+    for p, g, r, mine_has, theirs_has in zip(params, grads, received, has.tolist(), has_theirs.tolist()):
+        p.grad = g + r if mine_has or theirs_has else None

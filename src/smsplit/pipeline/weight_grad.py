@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+import queue
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -18,11 +18,14 @@ class WeightGradStore:
     gradients. The pipeline schedule calls `flush` after such a backward, which makes the closures
     of that backward one queue entry, and `pop` in a later "W" op, which runs the oldest entry
     under torch.no_grad() (closures called some other way should do the same).
+
+    As in DeepSeek's DualPipe, `funcs_queue` is a `queue.Queue` of those entries (code written for it calls
+    `.empty()`, `.get()` and `.put()` on it), `cache` the list of the current backward's closures.
     """
 
     enabled: ClassVar[bool] = False
     cache: ClassVar[list[Callable[[], None]]] = []
-    queue: ClassVar[deque[list[Callable[[], None]]]] = deque()
+    funcs_queue: ClassVar[queue.Queue] = queue.Queue()
 
     @classmethod
     def put(cls, fn: Callable[[], None]) -> None:
@@ -32,16 +35,17 @@ class WeightGradStore:
     @classmethod
     def flush(cls) -> None:
         """End the current backward's entry: its closures become one queue entry, for a later `pop`."""
-        cls.queue.append(cls.cache)
+        cls.funcs_queue.put(cls.cache)
         cls.cache = []
 
     @classmethod
     def pop(cls) -> None:
         """Run the oldest entry's closures, without building autograd graphs."""
-        if not cls.queue:
+        if cls.funcs_queue.empty():
             raise RuntimeError("WeightGradStore.pop: no deferred weight gradients are queued")
+        funcs = cls.funcs_queue.get_nowait()
         with torch.no_grad():
-            for fn in cls.queue.popleft():
+            for fn in funcs:
                 fn()
 
     @classmethod
@@ -50,7 +54,7 @@ class WeightGradStore:
         with this: closures left from outside a step would be dropped)."""
         cls.enabled = False
         cls.cache = []
-        cls.queue = deque()
+        cls.funcs_queue = queue.Queue()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
