@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smsplit.ep.testing import free_port
+from smsplit.launch import free_port
 from smsplit.pipeline import (
     DualPipe,
     DualPipeV,
