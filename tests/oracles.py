@@ -96,3 +96,17 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) ->
     per_rank = [sum(row[r] for row in in_rank) for r in range(num_ranks)]
     per_expert = [sum(e in row for row in rows) for e in range(num_experts)]
     return per_rank, per_expert, in_rank
+
+
+def new_group_in_order(members: List[int], **kwargs):
+    """A gloo process group of the global ranks `members` whose group rank i is global rank ``members[i]`` where
+    this torch can make one (``new_group(sort_ranks=False)``), else sorted (torch's default order). Collective over
+    the whole world. Returns (group, the global rank of each group rank, as the test expects them)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    in_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
+    extra = {"sort_ranks": False} if in_order else {}
+    group = dist.new_group(members, backend="gloo", **extra, **kwargs)
+    return group, list(members) if in_order else sorted(members)

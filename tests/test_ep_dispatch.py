@@ -214,18 +214,21 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
 
-def case_subgroup(rank, world_size, seed):
-    """A Buffer on the subgroup of odd ranks: group ranks, not global ranks, address the peers."""
-    members = list(range(1, world_size, 2))
-    group = dist.new_group(members, backend="gloo")  # collective over the whole world
+def case_subgroup(rank, world_size, seed, members):
+    """A Buffer on the group of global ranks `members`, group rank i being global rank ``members[i]`` (where torch
+    can order a group so): group ranks, not global ranks, address the peers; the oracle numbers the ranks by group
+    rank. Returns (the group's global ranks by group rank, the rows this rank received or None)."""
+    group, members = oracles.new_group_in_order(members)  # collective over the whole world
     if rank not in members:
-        return None
+        return members, None
     group_rank, group_size = members.index(rank), len(members)
     buffer = Buffer(group, timeout_s=10)
     assert (buffer.rank, buffer.group_size) == (group_rank, group_size)
-    inputs = make_inputs(seed, group_size, [4, 6, 3][:group_size], 2048, 4 * group_size, 3)
+    inputs = make_inputs(seed, group_size, [4, 6, 3, 5][:group_size], 2048, 4 * group_size, 3)
     handle, _ = check_round(buffer, group_rank, group_size, inputs, 4 * group_size, "bf16")
-    return handle.num_recv_tokens
+    check_round(buffer, group_rank, group_size, make_inputs(seed + 1, group_size, [2, 3, 1, 4][:group_size], 256,
+                                                            4 * group_size, 2), 4 * group_size, "fp8")
+    return members, handle.num_recv_tokens
 
 
 def case_rows_placed_by_a_device_transport(rank, world_size, seed):
@@ -351,10 +354,15 @@ def test_rows_a_device_transport_placed_out_of_token_order_take_the_reference_pa
     assert all(n >= 4 for n in received)
 
 
-def test_buffer_on_a_subgroup():
-    received = gloo_pool(4).run(case_subgroup, 4242)
-    assert received[0] is None and received[2] is None
-    assert received[1] > 0 and received[3] > 0
+@pytest.mark.parametrize("members", [[1, 3], [3, 0], [0, 2, 3], [2, 0, 3], [3, 1, 0, 2]],
+                         ids=lambda m: "ranks" + "-".join(map(str, m)))
+def test_buffer_on_a_subgroup(members):
+    """Subgroups of 2, 3 and 4 of 4 ranks, in order and not: each rank's rows against the oracle by group rank."""
+    results = gloo_pool(4).run(case_subgroup, 4242, members)
+    order = results[0][0]
+    assert order in (members, sorted(members))  # (sorted: a torch without new_group(sort_ranks=False))
+    for rank, (_, received) in enumerate(results):
+        assert (received is None) == (rank not in members) and (received is None or received > 0)
 
 
 @pytest.mark.gpu
