@@ -6,8 +6,11 @@ ranks.
   naming it (its rank in the group) and the phase within a few seconds (`EXIT_NOTICED_S`), long before `timeout_s`.
 - A peer that hangs there: every other rank raises `EPTimeoutError` naming it and the phase at `timeout_s`, give or
   take `MARGIN_S` (the scheduling of a loaded 2-core CI machine).
+- A peer whose process exits between the dispatch and the combine: the others wait for it in the combine's header
+  exchange, which goes through host shared memory (`smsplit.ep.host_headers`), where an ended process is not seen:
+  `EPTimeoutError` naming it and the phase at `timeout_s`.
 
-The header exchange's lost peers are tests/test_ep_errors.py's.
+A peer that never arrives at the header exchange: tests/test_ep_errors.py.
 """
 
 import os
@@ -27,7 +30,7 @@ from smsplit.ep.testing import free_port, gloo_pool
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 12, 256, 3, 5
 EXIT_NOTICED_S = 5.0  # a peer's exit is seen this soon (its connections close)
 MARGIN_S = 3.0  # a hung peer is reported within [timeout_s, timeout_s + MARGIN_S]
-PHASES = ["dispatch", "combine"]
+PHASES = ["dispatch", "combine"]  # (their token exchanges)
 
 
 def routing(rank, group_size, seed=0):
@@ -43,15 +46,19 @@ def routing(rank, group_size, seed=0):
 
 
 def lose_peer(buffer, phase, how, hang_s=0.0):
-    """Make this rank's `buffer` lose itself in `phase`'s token exchange: its process exits there (``how="exit"``)
-    or it sleeps `hang_s` there and then raises `Hung`."""
+    """Make this rank's `buffer` lose itself in `phase`'s token exchange (``"combine_headers"``: at the start of the
+    combine, before its headers): its process exits there (``how="exit"``) or it sleeps `hang_s` there and then
+    raises `Hung`."""
     def lost(*args, **kwargs):
         if how == "exit":
             os._exit(3)
         time.sleep(hang_s)
         raise Hung
 
-    setattr(buffer.transport, phase, lost)
+    if phase == "combine_headers":
+        buffer.combine = lost
+    else:
+        setattr(buffer.transport, phase, lost)
 
 
 class Hung(Exception):
@@ -69,7 +76,7 @@ def lost_peer_call(buffer, group_rank, group_size, phase, lost):
     start = time.monotonic()
     try:
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **args)
-        assert phase == "combine", "the dispatch did not notice the lost peer"
+        assert phase != "dispatch", "the dispatch did not notice the lost peer"
         start = time.monotonic()
         buffer.combine(recv_x, handle, topk_weights=recv_w)
     except Hung:
@@ -84,12 +91,12 @@ def lost_peer_call(buffer, group_rank, group_size, phase, lost):
 
 # -- a peer whose process exits: processes of their own (the lost one takes its connections with it) --------------
 
-def _exit_rank(rank, world_size, port, results, phase, lost):
+def _exit_rank(rank, world_size, port, results, phase, lost, timeout_s):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        buffer = Buffer(dist.group.WORLD, timeout_s=60)
+        buffer = Buffer(dist.group.WORLD, timeout_s=timeout_s)
         if rank == lost:
             lose_peer(buffer, phase, "exit")
         results.put((rank, True, lost_peer_call(buffer, rank, world_size, phase, lost)))
@@ -100,12 +107,13 @@ def _exit_rank(rank, world_size, port, results, phase, lost):
     os._exit(0)  # no teardown: the group has lost a member
 
 
-def run_with_exiting_peer(world_size, phase, lost, limit_s=90.0):
+def run_with_exiting_peer(world_size, phase, lost, timeout_s, limit_s=90.0):
     """`_exit_rank` on `world_size` spawned processes; the results of every rank but `lost`, by rank."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_exit_rank, args=(r, world_size, port, results, phase, lost), daemon=True)
+    processes = [context.Process(target=_exit_rank, args=(r, world_size, port, results, phase, lost,
+                                                                        timeout_s), daemon=True)
                  for r in range(world_size)]
     for p in processes:
         p.start()
@@ -131,12 +139,21 @@ def run_with_exiting_peer(world_size, phase, lost, limit_s=90.0):
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_peer_that_exits_in_the_token_exchange_is_named_within_seconds(phase):
-    outcomes = run_with_exiting_peer(3, phase, lost=1)
+    outcomes = run_with_exiting_peer(3, phase, lost=1, timeout_s=60.0)
     assert sorted(outcomes) == [0, 2]
     for rank, (kind, message, _, elapsed) in outcomes.items():
         assert kind == "EPError", (rank, message)
         assert message.startswith(f"{phase}: waiting for tokens from rank 1 failed"), (rank, message)
         assert elapsed < EXIT_NOTICED_S, (rank, elapsed, message)
+
+
+def test_a_peer_that_exits_before_the_combine_is_named_at_timeout_s():
+    timeout_s = 3.0
+    outcomes = run_with_exiting_peer(3, "combine_headers", lost=1, timeout_s=timeout_s)
+    for rank, (kind, message, peer, elapsed) in outcomes.items():
+        assert kind == "EPTimeoutError" and peer == 1, (rank, message)
+        assert message.startswith("combine: waiting for") and "from rank 1 (no answer within timeout_s=3)" in message
+        assert timeout_s <= elapsed <= timeout_s + MARGIN_S, (rank, elapsed)
 
 
 # -- a peer that hangs: the pool's processes, a group of their own that the timeouts break ---------------------------
