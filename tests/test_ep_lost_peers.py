@@ -112,8 +112,8 @@ def run_with_exiting_peer(world_size, phase, lost, timeout_s, limit_s=90.0):
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_exit_rank, args=(r, world_size, port, results, phase, lost,
-                                                                        timeout_s), daemon=True)
+    processes = [context.Process(target=_exit_rank, daemon=True,
+                                 args=(r, world_size, port, results, phase, lost, timeout_s))
                  for r in range(world_size)]
     for p in processes:
         p.start()
