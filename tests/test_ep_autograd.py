@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smsplit import fp8 as fp8_lib
+import oracles
 from smsplit.ep import Buffer
 from ep_harness import gloo_pool
 
@@ -108,13 +108,16 @@ def case_gradients(rank, world_size, seed, num_tokens, hidden, num_experts, num_
 
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
     recv_x, recv_topk_idx, recv_w, _, handle, _ = buffer.dispatch(
-        fp8_lib.quantize_1x128(x) if mode == "fp8_input" else x_leaf,
+        oracles.quantize_1x128(x) if mode == "fp8_input" else x_leaf,
         num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk, topk_weights=w_leaf,
         num_worst_tokens=num_worst_tokens, fp8=(mode == "fp8_dequantize"), dequantize=(mode == "fp8_dequantize"))
     if mode == "fp8_input":
         assert not recv_x[0].requires_grad
-        recv_x = fp8_lib.dequantize_1x128(*recv_x, dtype)
+        recv_x = oracles.dequantize_1x128(*recv_x, dtype)
+    if mode.startswith("fp8") and num_recv:  # the received rows: each source's x through the FP8 oracle
+        sent = torch.stack([ranks[r][0][t] for r, t in rows[rank]])
+        assert torch.equal(recv_x[:num_recv].detach(), oracles.fake_quantize_1x128(sent, dtype))
     assert torch.equal(recv_topk_idx >= 0, held_here), "the layout of the test's reference is not the dispatch's"
     for t in (recv_x, recv_w):
         if t.requires_grad:
@@ -142,7 +145,7 @@ def case_gradients(rank, world_size, seed, num_tokens, hidden, num_experts, num_
         if t.requires_grad:
             assert torch.equal(t.grad[padding], torch.zeros_like(t.grad[padding])), t.grad[padding]
 
-    x_forward = fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(x), dtype) if mode.startswith("fp8") else None
+    x_forward = oracles.fake_quantize_1x128(x, dtype) if mode.startswith("fp8") else None
     ref_x, ref_w, ref_bias = dense_grads(coef, x, topk, w, bias, grad_out, grad_out_w, x_forward)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (recv_x.grad if recv_x.requires_grad else None,

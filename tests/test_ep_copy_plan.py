@@ -3,6 +3,7 @@ each token's row lands, for 2 to 8 ranks, against loops over the tokens (the GPU
 
 import math
 import random
+from fractions import Fraction
 
 import numpy as np
 
@@ -54,6 +55,17 @@ def prefix_rows_by_loop(flags, share):
         else:
             rows[t], after = after, after + 1
     return m, rows
+
+
+def stage_bounds_by_loop(tokens, chunks, round_tokens):
+    """The FP8 staging launches' token bounds, in exact fractions: launch c ends at the whole round nearest to
+    c / chunks of the tokens (ties to even), at most at the last token; equal ends merge."""
+    ends = []
+    for c in range(1, chunks):
+        end = min(tokens, round(Fraction(c * tokens, chunks * round_tokens)) * round_tokens)
+        if 0 < end < tokens and end not in ends:
+            ends.append(end)
+    return [0] + ends + [tokens]
 
 
 @pytest.mark.parametrize("density", [0.0, 0.5, 0.95, 0.99, 1.0])
@@ -199,7 +211,7 @@ def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_
     # dispatch's last launch pushes the later tokens' rows itself
     longest = max(prefix_rows_by_loop(in_rank[:, d].tolist(), share)[0] for d in range(num_ranks) if d != rank)
     staged_end = min(T, -(-longest // 8) * 8)
-    bounds = nvlink._stage_bounds(staged_end, chunks, 8) if staged_end else [0]
+    bounds = stage_bounds_by_loop(staged_end, chunks, 8) if staged_end else [0]
     assert [(a, b) for a, b, _ in plan] == list(zip(bounds, bounds[1:]))
     for peer in range(num_ranks):
         if peer == rank:
@@ -228,6 +240,7 @@ def test_fp8_staging_chunks_put_each_token_on_the_rows_of_the_bf16_dispatch(num_
                                                        (57, 4, 64), (1000, 7, 16), (320, 4, 320)])
 def test_fp8_staging_launches_end_on_whole_rounds_but_the_last(tokens, chunks, round_tokens):
     bounds = nvlink._stage_bounds(tokens, chunks, round_tokens)
+    assert bounds == stage_bounds_by_loop(tokens, chunks, round_tokens)
     assert bounds[0] == 0 and bounds[-1] == tokens and bounds == sorted(set(bounds))
     assert all(b % round_tokens == 0 for b in bounds[1:-1])  # only the last launch has a partial round
     assert len(bounds) - 1 == min(chunks, -(-tokens // round_tokens))  # as many launches as asked, or as rounds

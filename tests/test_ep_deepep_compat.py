@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import oracles
 from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
 from ep_harness import gloo_pool
 from smsplit.ep.utils import EventHandle  # where DeepEP code imports it from (deep_ep.utils)
-from smsplit.fp8 import dequantize_1x128, quantize_1x128
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 8, 256, 3, 6
 
@@ -79,8 +79,11 @@ def deepep_style_calls(rank, world_size):
                                               allocate_on_comm_stream=True)
     event.current_stream_wait()
     assert torch.equal(grad, recv_x * 2)
-    (grad_fp8, grad_scales), *_ = buffer.dispatch(quantize_1x128(x), handle=handle)  # FP8 gradients, DeepEP's tuple
-    assert torch.equal(dequantize_1x128(grad_fp8, grad_scales), dequantize_1x128(*quantize_1x128(recv_x)))
+    (grad_fp8, grad_scales), *_ = buffer.dispatch(oracles.quantize_1x128(x), handle=handle)  # DeepEP's FP8 tuple
+    ref_fp8, ref_scales = oracles.quantize_1x128(recv_x)  # (tests/oracles.py: no smsplit code)
+    assert torch.equal(grad_fp8.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(grad_scales, ref_scales)
+    (fp8_x, fp8_scales), *_ = buffer.dispatch(x, handle=handle, fp8=True)  # quantized by the buffer
+    assert torch.equal(fp8_x.view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(fp8_scales, ref_scales)
     assert torch.equal(buffer.combine(recv_x, handle, config=None)[0], combined)
 
     buffer.destroy()

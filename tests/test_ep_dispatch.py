@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smsplit import fp8 as fp8_lib
+import oracles
 from smsplit.ep import Buffer
 from smsplit.ep.buffer import HEADER_WORDS
 from ep_harness import gloo_pool, process_pool
@@ -84,6 +84,9 @@ def layout_args(buffer, topk, num_experts):
     num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, _ = \
         buffer.get_dispatch_layout(topk, num_experts)
     assert rdma is None
+    want_per_rank, want_per_expert, want_in_rank = oracles.dispatch_layout(topk.cpu(), num_experts, buffer.group_size)
+    assert num_tokens_per_rank.tolist() == want_per_rank and num_tokens_per_expert.tolist() == want_per_expert
+    assert is_token_in_rank.tolist() == want_in_rank
     return dict(num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                 num_tokens_per_expert=num_tokens_per_expert)
 
@@ -97,7 +100,7 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
     n_recv = ref_x.size(0)
     x_in = x.to(device)
     if mode == "fp8_input":
-        x_in = fp8_lib.quantize_1x128(x_in)
+        x_in = tuple(t.to(device) for t in oracles.quantize_1x128(x_in))
     recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
         x_in, topk_idx=topk.to(device), topk_weights=w.to(device), expert_alignment=expert_alignment,
         num_worst_tokens=num_worst_tokens, fp8=(mode in ("fp8", "fp8_dequantize")),
@@ -114,12 +117,12 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
         assert recv_fp8.dtype == torch.float8_e4m3fn and recv_scales.dtype == torch.float32
         assert recv_fp8.shape == (rows, x.size(1)) and recv_scales.shape == (rows, x.size(1) // 128), \
             (recv_fp8.shape, recv_scales.shape, rows, x.shape)
-        ref_fp8, ref_scales = fp8_lib.quantize_1x128(ref_x)
+        ref_fp8, ref_scales = oracles.quantize_1x128(ref_x)  # (tests/oracles.py: no smsplit code)
         assert torch.equal(recv_fp8[:n_recv].view(torch.uint8), ref_fp8.view(torch.uint8))
         assert torch.equal(recv_scales[:n_recv], ref_scales)
     elif mode == "fp8_dequantize":
         assert recv_x.dtype == x.dtype and recv_x.shape == (rows, x.size(1))
-        assert torch.equal(recv_x[:n_recv], fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(ref_x), x.dtype))
+        assert torch.equal(recv_x[:n_recv], oracles.fake_quantize_1x128(ref_x, x.dtype))
     else:
         assert recv_x.dtype == x.dtype and recv_x.shape == (rows, x.size(1))
         assert torch.equal(recv_x[:n_recv], ref_x)
@@ -136,10 +139,10 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
         assert per_expert == [-(-c // expert_alignment) * expert_alignment for c in ref_per_expert]
 
     # Combine: each rank returns its rows scaled by (rank + 1), so the oracle can tell the copies apart.
-    values = recv_x if isinstance(recv_x, torch.Tensor) else fp8_lib.dequantize_1x128(*recv_x, torch.bfloat16)
+    values = recv_x if isinstance(recv_x, torch.Tensor) else oracles.dequantize_1x128(*recv_x, torch.bfloat16)
     if mode in ("fp8", "fp8_dequantize", "fp8_input"):
         # The receivers hold the dequantized tokens; quantization is per row, so quantize every rank's x whole.
-        own_inputs = [(fp8_lib.dequantize_1x128(*fp8_lib.quantize_1x128(xi), values.dtype), ti, wi)
+        own_inputs = [(oracles.fake_quantize_1x128(xi, values.dtype), ti, wi)
                       for xi, ti, wi in inputs]
     else:
         own_inputs = inputs
@@ -202,27 +205,30 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
         expected_rows = torch.stack([gathered[s][t] for s, t in src]) if src else torch.empty(0, hidden, dtype=dtype)
         assert torch.equal(recv_new.cpu(), expected_rows)
         previous.append(recv_new)
-        # a cached dispatch that quantizes: the same rows, quantized as `quantize_1x128` does
+        # a cached dispatch that quantizes: the same rows, quantized as the oracle does
         (recv_fp8, recv_scales), *_ = buffer.dispatch(x_new.to(buffer.device), handle=handle, fp8=True)
-        ref_fp8, ref_scales = fp8_lib.quantize_1x128(expected_rows)
+        ref_fp8, ref_scales = oracles.quantize_1x128(expected_rows)
         assert torch.equal(recv_fp8.view(torch.uint8).cpu(), ref_fp8.view(torch.uint8))
         assert torch.equal(recv_scales.cpu(), ref_scales)
         previous += [recv_fp8.view(torch.uint8), recv_scales]
     return buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
 
 
-def case_subgroup(rank, world_size, seed):
-    """A Buffer on the subgroup of odd ranks: group ranks, not global ranks, address the peers."""
-    members = list(range(1, world_size, 2))
-    group = dist.new_group(members, backend="gloo")  # collective over the whole world
+def case_subgroup(rank, world_size, seed, members):
+    """A Buffer on the group of global ranks `members`, group rank i being global rank ``members[i]`` (where torch
+    can order a group so): group ranks, not global ranks, address the peers; the oracle numbers the ranks by group
+    rank. Returns (the group's global ranks by group rank, the rows this rank received or None)."""
+    group, members = oracles.new_group_in_order(members)  # collective over the whole world
     if rank not in members:
-        return None
+        return members, None
     group_rank, group_size = members.index(rank), len(members)
     buffer = Buffer(group, timeout_s=10)
     assert (buffer.rank, buffer.group_size) == (group_rank, group_size)
-    inputs = make_inputs(seed, group_size, [4, 6, 3][:group_size], 2048, 4 * group_size, 3)
+    inputs = make_inputs(seed, group_size, [4, 6, 3, 5][:group_size], 2048, 4 * group_size, 3)
     handle, _ = check_round(buffer, group_rank, group_size, inputs, 4 * group_size, "bf16")
-    return handle.num_recv_tokens
+    check_round(buffer, group_rank, group_size, make_inputs(seed + 1, group_size, [2, 3, 1, 4][:group_size], 256,
+                                                            4 * group_size, 2), 4 * group_size, "fp8")
+    return members, handle.num_recv_tokens
 
 
 def case_rows_placed_by_a_device_transport(rank, world_size, seed):
@@ -348,10 +354,15 @@ def test_rows_a_device_transport_placed_out_of_token_order_take_the_reference_pa
     assert all(n >= 4 for n in received)
 
 
-def test_buffer_on_a_subgroup():
-    received = gloo_pool(4).run(case_subgroup, 4242)
-    assert received[0] is None and received[2] is None
-    assert received[1] > 0 and received[3] > 0
+@pytest.mark.parametrize("members", [[1, 3], [3, 0], [0, 2, 3], [2, 0, 3], [3, 1, 0, 2]],
+                         ids=lambda m: "ranks" + "-".join(map(str, m)))
+def test_buffer_on_a_subgroup(members):
+    """Subgroups of 2, 3 and 4 of 4 ranks, in order and not: each rank's rows against the oracle by group rank."""
+    results = gloo_pool(4).run(case_subgroup, 4242, members)
+    order = results[0][0]
+    assert order in (members, sorted(members))  # (sorted: a torch without new_group(sort_ranks=False))
+    for rank, (_, received) in enumerate(results):
+        assert (received is None) == (rank not in members) and (received is None or received > 0)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from oracles import dispatch_layout as loop_layout  # the layout by Python loops
 from smsplit import ptx
 from smsplit.ep import EventOverlap, compute_dispatch_layout
 from smsplit.ep.layout import (check_dispatch_layout, layout_kernel, to_local_expert_ids, token_positions,
@@ -26,16 +27,6 @@ def routing(num_tokens, num_experts, num_topk, seed, outside=False):
         topk[7, 0], topk[9, num_topk - 1] = num_experts, -2
         topk[8, 0] = 2 ** 40 if num_tokens % 2 else -2 ** 40
     return topk
-
-
-def loop_layout(topk, num_experts, num_ranks):
-    """The layout by Python loops: ranks per token, tokens per rank and per expert (ids in [0, num_experts))."""
-    local = num_experts // num_ranks
-    rows = [[int(e) for e in row if 0 <= int(e) < num_experts] for row in topk]
-    in_rank = [[any(e // local == r for e in row) for r in range(num_ranks)] for row in rows]
-    per_rank = [sum(row[r] for row in in_rank) for r in range(num_ranks)]
-    per_expert = [sum(e in row for row in rows) for e in range(num_experts)]
-    return per_rank, per_expert, in_rank
 
 
 @pytest.mark.parametrize("device", DEVICES)

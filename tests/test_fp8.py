@@ -1,12 +1,15 @@
 import re
 
+import numpy as np
 import pytest
 import torch
 
+import oracles
 from smsplit import fp8
 
-# Every finite e4m3 value, for a brute-force nearest-value oracle independent of torch's cast.
-_ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+# Every finite e4m3 value (from the format's definition), for a brute-force nearest-value oracle independent of
+# torch's cast.
+_ALL_E4M3 = torch.tensor([oracles.e4m3_value(c) for c in range(256)], dtype=torch.float32)
 _FINITE_E4M3 = torch.unique(_ALL_E4M3[torch.isfinite(_ALL_E4M3)])
 
 
@@ -50,6 +53,34 @@ def test_quantize_1x128_scales_and_rounding(dtype, shape):
     assert bool(((got == lo) | (got == hi)).all())
     # The tile maximum maps to +-448 exactly.
     assert bool((x_fp8.float().abs().unflatten(-1, (-1, 128)).amax(-1) == 448.0).all())
+
+
+def test_the_oracles_e4m3_values_and_rounding_are_torchs():
+    """tests/oracles.py's table and rounding (which the EP tests compare `Buffer`'s FP8 against) agree with torch's
+    float8_e4m3fn on every code and on every midpoint between neighbours (ties to even)."""
+    cast = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    table = np.array([oracles.e4m3_value(c) for c in range(256)])
+    assert np.array_equal(cast, table, equal_nan=True)
+    positive = oracles.E4M3_POSITIVE
+    probes = np.concatenate([positive, (positive[1:] + positive[:-1]) / 2, np.nextafter(positive, 0),
+                             np.nextafter(positive, np.inf)[:-1]])
+    probes = np.concatenate([probes, -probes]).astype(np.float32)
+    torch_codes = torch.from_numpy(probes).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(oracles.round_to_e4m3_codes(probes.astype(np.float64)), torch_codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_quantize_1x128_is_the_oracle_bit_for_bit(dtype):
+    """Codes and scales equal tests/oracles.py's float64 reference exactly (a scale `amax * (1 / 448)` or values
+    `x / scale` differ from it in the last bit often enough to show over 300 x 1024 values)."""
+    torch.manual_seed(3)
+    x = (torch.randn(300, 1024) * torch.logspace(-5, 3, 1024)).to(dtype)
+    x[0, :128] = 0
+    x_fp8, scales = fp8.quantize_1x128(x)
+    ref_fp8, ref_scales = oracles.quantize_1x128(x)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(x_fp8.view(torch.uint8), ref_fp8.view(torch.uint8))
+    assert torch.equal(fp8.dequantize_1x128(x_fp8, scales, dtype), oracles.dequantize_1x128(ref_fp8, ref_scales, dtype))
 
 
 def test_dequantize_1x128_round_trip_error_bound():
