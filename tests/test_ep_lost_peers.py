@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from oracles import new_group_in_order
 from smsplit.ep import Buffer, EPError, EPTimeoutError
-from smsplit.ep.testing import free_port, gloo_pool
+from ep_harness import gloo_pool
+from smsplit.launch import free_port
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 12, 256, 3, 5
 EXIT_NOTICED_S = 5.0  # a peer's exit is seen this soon (its connections close)
