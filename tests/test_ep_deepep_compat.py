@@ -1,19 +1,25 @@
 """Code written for DeepEP's `deep_ep.Buffer` (intranode, normal kernels) runs on `smsplit.ep.Buffer` after an
 import change: its constructor (DeepEP's README's positional call and every keyword), positional calls in DeepEP's argument order (with `config`), the static
-`Buffer.capture()`, tuple-style handles, `destroy()`, and the SM count through `Buffer.set_num_sms`, `Config` and
-`get_dispatch_config` / `get_combine_config`. Checked on 2 gloo ranks against the sums a dispatch and a combine must
-give."""
+`Buffer.capture()`, tuple-style handles (read, and rebuilt by the caller), `destroy()`, the SM count through
+`Buffer.set_num_sms`, `Config` and `get_dispatch_config` / `get_combine_config`, `topk_idx_t`,
+`Buffer.is_sm90_compiled()`, `get_comm_stream()`, and `recv_src_idx` padded to `num_worst_tokens` rows. Checked on 2
+gloo ranks against the sums a dispatch and a combine must give and the rows a dispatch must deliver."""
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 import oracles
-from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap
-from ep_harness import gloo_pool
+from smsplit import ptx
+from smsplit.ep import Buffer, Config, EPArgumentError, EPError, EventOverlap, topk_idx_t
+from ep_harness import gloo_pool, process_pool
 from smsplit.ep.utils import EventHandle  # where DeepEP code imports it from (deep_ep.utils)
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 8, 256, 3, 6
@@ -231,3 +237,185 @@ def test_set_num_sms_and_configs_as_deepep():
         assert "the SM count (config.num_sms, or Buffer.set_num_sms) differs between ranks: [20, 22]" in differ
         assert ("must be an int in [1, 65536], got 'many'" in not_int) == (rank == 0), not_int
         assert (f"got {2 ** 70}" in too_large) == (rank == 0) and ("rejected on rank 0" in too_large) == (rank == 1)
+
+
+# -- topk_idx_t, is_sm90_compiled, get_comm_stream, rebuilt tuple handles, recv_src_idx with num_worst_tokens ---------
+
+def routed_inputs(rank, seed):
+    """Rank ``rank``'s tokens, top-k ids and weights; any rank can make any rank's (the oracle below does). The ids
+    are made as int32 and cast as DeepEP code casts them, ``topk_idx.to(deep_ep.topk_idx_t)``."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOPK].to(torch.int32)
+    topk_idx[torch.rand(TOKENS, TOPK, generator=g) < 0.25] = -1
+    topk_idx[rank % TOKENS] = -1  # a token that goes nowhere
+    return x, topk_idx.to(topk_idx_t), torch.rand(TOKENS, TOPK, generator=g)
+
+
+def expected_recv_src_idx(rank, world_size, seed):
+    """The source-token index of each row rank ``rank`` receives: the rows from rank 0 first, then rank 1's, ...,
+    each source's in token order; a token goes to a rank once if any of its experts is there. Walked over the
+    inputs of every rank, without the library's layout code."""
+    per_rank = NUM_EXPERTS // world_size
+    rows = []
+    for source in range(world_size):
+        _, topk_idx, _ = routed_inputs(source, seed)
+        rows += [t for t, ids in enumerate(topk_idx.tolist()) if any(e >= 0 and e // per_rank == rank for e in ids)]
+    return rows
+
+
+def tuple_handles_and_padding(rank, world_size, seed):
+    """DeepEP callers rebuild the handle tuple (``tuple(handle)``, ``list(handle)``, or unpack it and pack the six
+    fields again, even after dropping the handle): `combine`, a cached dispatch and autograd take it as the handle.
+    A tuple that is not one of this buffer's handles is refused on every rank. With `num_worst_tokens`,
+    `recv_src_idx` has `num_worst_tokens` entries, as DeepEP's, the padding -1; a cached dispatch with that handle
+    gives as many rows (DeepEP's gives `recv_src_idx.size(0)`). Also: `topk_idx_t` ids go in, other dtypes are
+    refused; a CPU buffer's `get_comm_stream()`."""
+    buffer = Buffer(dist.group.WORLD, timeout_s=30)
+    other = Buffer(dist.group.WORLD, timeout_s=30)
+    x, topk_idx, topk_weights = routed_inputs(rank, seed)
+    assert topk_idx_t is torch.int64 and topk_idx.dtype == topk_idx_t
+    with pytest.raises(EPArgumentError, match="topk_idx: expected dtype torch.int64, got torch.int32"):
+        buffer.get_dispatch_layout(topk_idx.to(torch.int32), NUM_EXPERTS)
+    assert isinstance(buffer.get_comm_stream(), torch.cpu.Stream)  # gloo: CPU tensors, no CUDA stream
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=topk_weights)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+    expected_src = expected_recv_src_idx(rank, world_size, seed)
+    n = len(expected_src)
+    assert handle.recv_src_idx.tolist() == expected_src and recv_x.size(0) == n
+    expected_x = (x.float() * in_rank.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    expected_w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
+
+    def check_combine(rows, handle_arg):
+        combined, combined_w, _ = buffer.combine(rows, handle_arg, topk_weights=recv_w)
+        assert torch.equal(combined, expected_x)
+        assert torch.allclose(combined_w, expected_w, rtol=0, atol=1e-6)
+
+    for rebuilt in (tuple(handle), list(handle)):
+        check_combine(recv_x, rebuilt)
+    # DeepEP's tests and users unpack the handle into its six fields; here the handle object is then dropped
+    rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, \
+        send_head = handle
+    alive = weakref.ref(handle)
+    del handle, rebuilt
+    gc.collect()
+    assert alive() is None
+    rebuilt = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+               is_token_in_rank, send_head)
+    check_combine(recv_x, rebuilt)
+    cached, _, _, per_expert_list, cached_handle, _ = buffer.dispatch(x, rebuilt)
+    assert torch.equal(cached, recv_x) and per_expert_list is None
+    assert all(a is b for a, b in zip(cached_handle, rebuilt))
+    y = recv_x.float().requires_grad_()  # the backward of a combine: a cached dispatch of the gradient
+    combined, _, _ = buffer.combine(y, rebuilt)
+    assert torch.equal(combined, expected_x.float())
+    (combined * torch.arange(1.0, HIDDEN + 1)).sum().backward()
+    assert torch.equal(y.grad, torch.arange(1.0, HIDDEN + 1).expand(n, HIDDEN))
+
+    # tuples that are not a handle of this buffer: rejected on every rank, before anything moves
+    _, _, _, _, foreign, _ = other.dispatch(x, **layout)
+    bad = {"a copy": lambda: (rank_prefix_matrix, None, None, recv_src_idx.clone(), is_token_in_rank, None),
+           "five fields": lambda: rebuilt[:5],
+           "another order": lambda: (rank_prefix_matrix, None, None, recv_src_idx, None, is_token_in_rank),
+           "another buffer's": lambda: tuple(foreign)}
+    errors = {}
+    for name, make in bad.items():
+        try:
+            buffer.combine(recv_x, make() if rank == 0 else rebuilt)
+        except EPArgumentError as error:
+            errors[name] = (error.argument, str(error))
+    check_combine(recv_x, rebuilt)  # still usable
+
+    # num_worst_tokens: recv_src_idx padded as DeepEP pads it
+    worst = TOKENS * world_size + 3
+    padded_x, _, padded_w, per_expert_list, padded, _ = buffer.dispatch(x, num_worst_tokens=worst, **layout)
+    assert per_expert_list == [] and padded_x.size(0) == worst and padded.num_recv_tokens == n
+    assert padded.recv_src_idx.dtype == torch.int32 and padded.recv_src_idx.shape == (worst,)
+    assert padded.recv_src_idx.tolist() == expected_src + [-1] * (worst - n)
+    assert padded[3] is padded.recv_src_idx
+    again = buffer.dispatch(x, tuple(padded))[0]  # cached: recv_src_idx.size(0) rows, as DeepEP's
+    assert again.size(0) == worst and torch.equal(again[:n], recv_x) and not again[n:].any()
+    garbage = padded_x.clone()
+    garbage[n:] = 1e4  # the combine reads no padding row
+    combined, combined_w, _ = buffer.combine(garbage, list(padded), topk_weights=padded_w)
+    assert torch.equal(combined, expected_x) and torch.allclose(combined_w, expected_w, rtol=0, atol=1e-6)
+    return errors
+
+
+def test_rebuilt_tuple_handles_and_padded_recv_src_idx_as_deepep():
+    results = gloo_pool(2).run(tuple_handles_and_padding, 41)
+    for rank, errors in enumerate(results):
+        assert list(errors) == ["a copy", "five fields", "another order", "another buffer's"], errors
+        assert {argument for argument, _ in errors.values()} == {"handle"}, errors
+        for name, (_, message) in errors.items():
+            if rank == 1:
+                assert "rejected on rank 0" in message, message
+            elif name == "another buffer's":
+                assert "expected a handle returned by a dispatch of this buffer" in message, message
+            else:
+                assert "is not a handle of this buffer" in message and "not copies" in message, message
+        assert ("a tuple of 5" in errors["five fields"][1]) == (rank == 0)
+
+
+@triton.jit
+def _fp8_cast(src, out):
+    tl.store(out, tl.load(src).to(tl.float8e4nv).to(tl.bfloat16))
+
+
+def test_is_sm90_compiled_says_whether_the_kernels_build_for_sm90(monkeypatch):
+    """DeepEP's static `is_sm90_compiled()` tells its callers whether its kernels carry Hopper's features (FP8, TMA),
+    from how it was built, whatever GPU is present. Here the kernels are built by Triton's NVIDIA backend for sm_90,
+    on this machine without a GPU too; without that backend the answer is False."""
+    assert Buffer.is_sm90_compiled() is True
+    ptx_text, _ = ptx.compile_for_sm90(_fp8_cast, {"src": "*bf16", "out": "*bf16"})
+    assert ".target sm_90" in ptx_text and "e4m3" in ptx_text
+    import triton.backends
+
+    monkeypatch.setattr(triton.backends, "backends",
+                        {name: b for name, b in triton.backends.backends.items() if name != "nvidia"})
+    assert Buffer.is_sm90_compiled() is False
+
+
+def comm_stream_and_device_handles(rank, world_size):
+    """On one GPU: `get_comm_stream()` is the budget's comm stream where the buffer has a budget, else the current
+    stream of the call; the nvlink kernels' dispatch with `num_worst_tokens` pads `recv_src_idx` with -1, and a
+    tuple rebuilt from its handle (the handle dropped) combines through them."""
+    group = dist.group.WORLD
+    plain = Buffer(group, timeout_s=30)
+    assert plain.get_comm_stream() == torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert plain.get_comm_stream() == side
+    budget = SimpleNamespace(comm_sms=8, comm_stream=torch.cuda.Stream())
+    assert Buffer(group, budget=budget, timeout_s=30).get_comm_stream() is budget.comm_stream
+
+    T, H, E, K = 32, 256, 8, 2
+    fast = Buffer(group, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, 1, K, backend="nvlink"), num_sms=4,
+                  backend="nvlink", timeout_s=30)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    topk_idx = torch.randint(0, E, (T, K), generator=g)
+    topk_idx[torch.rand(T, K, generator=g) < 0.4] = -1
+    topk_idx = topk_idx.to(topk_idx_t).cuda()
+    sent = (topk_idx >= 0).any(dim=1)
+    per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(topk_idx, E)
+    worst = T + 5
+    recv_x, _, _, _, handle, _ = fast.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                               num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                               num_worst_tokens=worst)
+    n = int(sent.sum())
+    src = handle.recv_src_idx
+    assert src.shape == (worst,) and handle.num_recv_tokens == n
+    assert sorted(src[:n].tolist()) == torch.nonzero(sent).flatten().tolist() and (src[n:] == -1).all()
+    fields = tuple(handle)
+    del handle
+    gc.collect()
+    combined, _, _ = fast.combine(recv_x, fields)
+    assert torch.equal(combined, torch.where(sent[:, None], x, torch.zeros_like(x)))
+
+
+@pytest.mark.gpu
+def test_comm_stream_and_padded_handles_on_a_gpu():
+    process_pool(1, "nccl").run(comm_stream_and_device_handles)

@@ -129,7 +129,8 @@ def check_round(buffer, rank, world_size, inputs, num_experts, mode, expert_alig
     assert torch.equal(recv_idx[:n_recv], ref_idx)
     assert torch.equal(recv_w[:n_recv], ref_w)
     assert handle.num_recv_tokens == n_recv
-    assert handle.recv_src_idx.tolist() == [t for _, t in ref_src]
+    # padded to num_worst_tokens rows as DeepEP pads it (-1 where DeepEP leaves memory unwritten)
+    assert handle.recv_src_idx.tolist() == [t for _, t in ref_src] + [-1] * (rows - n_recv)
     assert handle.rank_prefix_matrix[:, rank].tolist() == \
         torch.tensor([sum(1 for s, _ in ref_src if s <= q) for q in range(world_size)]).tolist()
     if num_worst_tokens:

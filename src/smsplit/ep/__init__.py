@@ -1,9 +1,9 @@
 """Expert-parallel dispatch and combine with DeepEP's normal-kernel API (`Buffer`), on pluggable transports."""
 
-from .buffer import Buffer, Config
+from .buffer import Buffer, Config, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .layout import DispatchHandle, compute_dispatch_layout
 from .transport import EPArgumentError, EPError, EPTimeoutError, Transport
 
 __all__ = ["Buffer", "Config", "DispatchHandle", "EPArgumentError", "EPError", "EPTimeoutError", "EventHandle",
-           "EventOverlap", "Transport", "compute_dispatch_layout"]
+           "EventOverlap", "Transport", "compute_dispatch_layout", "topk_idx_t"]

@@ -41,6 +41,9 @@ ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "
              "num_rdma_bytes", "low_latency_mode", "config", "timeout_s")
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+# DeepEP's `deep_ep.topk_idx_t`: the dtype of `topk_idx` (DeepEP's default build; one built with TOPK_IDX_BITS=32
+# takes int32, which these kernels and checks do not)
+topk_idx_t = torch.int64
 NVLINK_MAX_TOPK = 16
 
 
@@ -75,6 +78,19 @@ def _check_tensor(name: str, t, device: torch.device, dtypes, shape: Tuple[Optio
         raise _reject(name, f"expected shape {want}, got {tuple(t.shape)}")
     if t.device != device:
         raise _reject(name, f"expected a tensor on {device} (this buffer's device), got one on {t.device}")
+
+
+def _check_handle(handle, buffer_id: int) -> None:
+    """``handle`` must be a `DispatchHandle` of the buffer with id ``buffer_id`` (a DeepEP tuple rebuilt from one
+    has been turned into it by then: `DispatchHandle.from_deepep_tuple`)."""
+    if isinstance(handle, DispatchHandle) and handle.buffer_id == buffer_id:
+        return
+    if isinstance(handle, (tuple, list)):
+        raise _reject("handle", f"a {type(handle).__name__} of {len(handle)} is not a handle of this buffer: a "
+                                f"DeepEP-style tuple rebuilt from a handle must hold the six objects that unpacking "
+                                f"that handle gave, in order (rank_prefix_matrix, None, None, recv_src_idx, "
+                                f"is_token_in_rank, None), not copies")
+    raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
 
 
 def _check_event(previous_event) -> None:
@@ -121,6 +137,15 @@ def _check_expert_range(low: int, high: int, num_experts: int) -> None:
     if low < -1 or high >= num_experts:
         raise _reject("topk_idx", f"expert ids must lie in [-1, {num_experts}) (num_experts={num_experts}), "
                                   f"got values in [{low}, {high}]")
+
+
+def _handle_of(handle):
+    """A call's ``handle`` argument as the `DispatchHandle` it stands for: DeepEP's handle is a plain tuple, which
+    its callers may unpack and rebuild (`DispatchHandle.from_deepep_tuple`); anything else as it is, for the
+    argument checks to accept or reject on every rank."""
+    if isinstance(handle, (tuple, list)):
+        return DispatchHandle.from_deepep_tuple(handle) or handle
+    return handle
 
 
 def _bias_tuple(bias) -> tuple:
@@ -497,6 +522,38 @@ class Buffer:
             return EventOverlap()
         return EventOverlap.record_current_stream(torch.device("cuda", torch.cuda.current_device()))
 
+    def get_comm_stream(self):
+        """
+        The stream this buffer's communication runs on, as DeepEP's `get_comm_stream()`. DeepEP's buffer owns a
+        stream and runs every call on it; this one has none: each call runs on the current stream (docs/ep.md,
+        "Differences from DeepEP"). So: `budget.comm_stream` where the buffer has a budget (the stream whose SMs
+        the budget keeps for communication: code that launches its calls under
+        ``torch.cuda.stream(buffer.get_comm_stream())``, as DeepEP-based code does to overlap, puts them there);
+        else the current stream of the buffer's device, which the calls made now run on. Either way, a stream that
+        waits for the returned one and for the calling stream waits for the calls. A CPU (gloo) buffer gives
+        `torch.cpu.current_stream()`, whose waits do nothing (CPU calls finish before they return).
+        """
+        if self.device.type != "cuda":
+            return torch.cpu.current_stream()
+        if self.budget is not None:
+            return self.budget.comm_stream
+        return torch.cuda.current_stream(self.device)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """
+        Whether the kernels are built with Hopper's (sm_90) features, as DeepEP's static `is_sm90_compiled()`; its
+        callers read it as "FP8 dispatch is available" (DeepEP's own tests skip their FP8 cases without it). DeepEP
+        answers from how its extension was compiled, not from the GPU present, and so does this: True where Triton
+        has its NVIDIA backend, which builds every kernel here for sm_90 (at a kernel's first launch on a GPU; on a
+        machine without one, `smsplit.ptx.compile_for_sm90`). FP8 dispatch works on the reference backend either
+        way. Whether this process's GPU can run the device backends (written for Hopper) is not part of the
+        answer: see `torch.cuda.get_device_capability()`.
+        """
+        from triton.backends import backends
+
+        return "nvidia" in backends
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EPError(f"rank {self.rank}: this Buffer was destroyed (Buffer.destroy)")
@@ -570,7 +627,8 @@ class Buffer:
                 at least 1.
                 Any strides and offset: the device backends copy a view that is not contiguous or does not start on
                 a 16-byte boundary before their kernels read it.
-            handle: a handle returned by an earlier `dispatch` of this buffer; selects the cached mode.
+            handle: a handle returned by an earlier `dispatch` of this buffer, or the tuple of its six DeepEP fields
+                that unpacking it gave (`DispatchHandle.from_deepep_tuple`); selects the cached mode.
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
             num_tokens_per_rdma_rank: must be None (intranode only; accepted for DeepEP compatibility).
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
@@ -623,6 +681,7 @@ class Buffer:
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
         self._check_alive()
+        handle = _handle_of(handle)
         expert_alignment, num_worst_tokens = _plain_int(expert_alignment), _plain_int(num_worst_tokens)
         float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
         grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
@@ -713,8 +772,9 @@ class Buffer:
             recv_scales = _rows_from_reference(next(received), perm) if scales is not None else None
             recv_topk_idx = _rows_from_reference(next(received), perm) if topk_idx is not None else None
             recv_topk_weights = _rows_from_reference(next(received), perm) if topk_weights is not None else None
-            if not cached:
-                handle.recv_src_idx = next(received)[:handle.num_recv_tokens, 0].contiguous()
+            if not cached:  # padded to the received rows, as DeepEP's, with -1 (DeepEP leaves them unwritten)
+                handle.recv_src_idx = next(received)[:, 0].contiguous()
+                handle.recv_src_idx[handle.num_recv_tokens:] = -1
             if recv_topk_idx is not None:
                 recv_topk_idx[handle.num_recv_tokens:] = -1
                 recv_topk_idx = to_local_expert_ids(recv_topk_idx, self.rank, num_local_experts)
@@ -820,7 +880,8 @@ class Buffer:
             x: `[num_recv_tokens, hidden]` (or `[num_worst_tokens, hidden]` if the dispatch padded; the padding rows
                 are ignored) with `torch.bfloat16` (or `torch.float16` / `torch.float32`), rows in the order
                 `dispatch` returned them; any strides and offset, as for `dispatch`.
-            handle: the handle returned by the dispatch being reversed.
+            handle: the handle returned by the dispatch being reversed, or the tuple of its six DeepEP fields that
+                unpacking it gave (`DispatchHandle.from_deepep_tuple`).
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
             config: as for `dispatch`: the SMs of this call's kernels (`config.num_sms`), else `num_sms`.
@@ -838,6 +899,7 @@ class Buffer:
             event: the event after the communication (meaningful only with `async_finish` on CUDA).
         """
         self._check_alive()
+        handle = _handle_of(handle)
         biases = _bias_tuple(bias)
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
         if torch.is_grad_enabled() and needs_grad:
@@ -958,8 +1020,7 @@ class Buffer:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
             if getattr(layout, "rank_prefix_matrix", None) is not None:
                 handle.rank_prefix_matrix = layout.rank_prefix_matrix
-            received = recv_src[:handle.num_recv_tokens] if handle.num_recv_tokens >= 0 else recv_src  # -1: captured
-            handle.recv_src_idx = received.clone()
+            handle.recv_src_idx = recv_src[:handle.num_recv_rows].clone()  # padding rows: -1 from the kernels
             if hasattr(transport, "plan"):  # every copy plan of the layout now, on the host (bulk="copy_engine"),
                 # so that later dispatches and combines with this handle can be captured in a CUDA graph
                 transport.plan(layout, handle.is_token_in_rank)
@@ -972,7 +1033,7 @@ class Buffer:
 
     def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, values: bool = True) -> None:
         """``values``: also check the ids (reads them on the host: not while capturing a CUDA graph)."""
-        _check_tensor("topk_idx", topk_idx, self.device, (torch.int64,), (num_tokens, None))
+        _check_tensor("topk_idx", topk_idx, self.device, (topk_idx_t,), (num_tokens, None))
         if topk_idx.size(1) < 1:
             raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
         if values and topk_idx.numel():
@@ -1021,8 +1082,7 @@ class Buffer:
         num_experts = 0
         host_layout = None
         if handle is not None:
-            if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
-                raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
+            _check_handle(handle, id(self))
             if handle.num_tokens != num_tokens:
                 raise _reject("handle", f"the handle is for {handle.num_tokens} tokens, x has {num_tokens}")
             if topk_idx is not None or (topk_weights is not None and not internal):
@@ -1116,8 +1176,7 @@ class Buffer:
         return dict(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert)
 
     def _check_combine(self, x, handle, topk_weights, bias, previous_event, internal) -> Tuple[torch.Tensor, ...]:
-        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
-            raise _reject("handle", "expected a handle returned by a dispatch of this buffer")
+        _check_handle(handle, id(self))
         rows = handle.num_recv_rows
         if x is None and internal:
             hidden = None

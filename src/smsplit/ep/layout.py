@@ -6,8 +6,10 @@ received tokens are ordered by source rank, then by token index on the source ra
 """
 
 import contextlib
+import copy
+import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -253,7 +255,9 @@ class DispatchHandle:
         rank_prefix_matrix: `[num_ranks, num_ranks]` with `torch.int32`; entry `[i, j]` is the number of tokens
             that ranks `0..i` send to rank `j`. Column `rank` gives where each source rank's tokens start in the
             received tensors.
-        recv_src_idx: `[num_recv_tokens]` with `torch.int32`, the index of each received token on its source rank.
+        recv_src_idx: `[num_recv_rows]` with `torch.int32`, the index of each received token on its source rank; -1
+            on the padding rows of a dispatch with `num_worst_tokens` (DeepEP's has `num_worst_tokens` entries too,
+            the padding ones left unwritten).
         num_recv_tokens: the number of tokens received (the rows of `recv_x` before padding).
         num_worst_tokens: rows of the received tensors (padded) when positive; 0 for unpadded.
         num_local_experts: experts held by each rank (0 if the dispatch that made the handle had no top-k).
@@ -278,11 +282,38 @@ class DispatchHandle:
     def __getitem__(self, index: int):
         """DeepEP's intranode handle is a tuple ``(rank_prefix_matrix, channel_prefix_matrix,
         recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``: the same indices work here, with
-        None for the three that describe DeepEP's channels (none here)."""
-        return (self.rank_prefix_matrix, None, None, self.recv_src_idx, self.is_token_in_rank, None)[index]
+        None for the three that describe DeepEP's channels (none here). A tuple or list of these six objects,
+        as indexing or unpacking gives them, works as the handle again (`from_deepep_tuple`)."""
+        _remember_tuple(self)
+        return self._deepep_tuple()[index]
 
     def __len__(self) -> int:
         return 6
+
+    def _deepep_tuple(self) -> tuple:
+        return (self.rank_prefix_matrix, None, None, self.recv_src_idx, self.is_token_in_rank, None)
+
+    @staticmethod
+    def from_deepep_tuple(fields) -> Optional["DispatchHandle"]:
+        """
+        The handle that a tuple or list rebuilt from a handle's DeepEP fields stands for, or None if ``fields`` is
+        not one. DeepEP's handle is a plain tuple, so code written for it may unpack it and pass a rebuilt tuple to
+        `combine` or a cached dispatch. Here the six items must be the objects (not copies) that indexing or
+        unpacking a handle gave, in DeepEP's order; the handle object itself need not be alive any more.
+        """
+        if not isinstance(fields, (tuple, list)) or len(fields) != 6:
+            return None
+        entry = _TUPLE_HANDLES.get(id(fields[3]))
+        if entry is None or entry.recv_src_idx() is not fields[3]:
+            return None
+        handle = entry.handle()
+        if handle is None:  # the caller kept only the tuple: the handle again, from what it held besides these
+            handle = copy.copy(entry.rest)
+            handle.recv_src_idx = fields[3]
+            _TUPLE_HANDLES[id(fields[3])] = entry._replace(handle=weakref.ref(handle))
+        if any(given is not own for given, own in zip(fields, handle._deepep_tuple())):
+            return None
+        return handle
 
     @property
     def num_tokens(self) -> int:
@@ -293,6 +324,32 @@ class DispatchHandle:
     def num_recv_rows(self) -> int:
         """Rows of the received tensors: `num_worst_tokens` if set, else `num_recv_tokens`."""
         return self.num_worst_tokens if self.num_worst_tokens > 0 else self.num_recv_tokens
+
+
+class _TupleEntry(NamedTuple):
+    recv_src_idx: "weakref.ref[torch.Tensor]"
+    handle: "weakref.ref[DispatchHandle]"
+    rest: DispatchHandle  # a shallow copy without recv_src_idx (see _remember_tuple)
+
+
+# Handles read as DeepEP's tuple, by id(recv_src_idx): a tensor that is one handle's only (each dispatch makes its
+# own). An entry lives as long as that tensor, not as long as the handle, so that a tuple the caller keeps instead
+# of the handle still finds it. Its copy of the handle leaves recv_src_idx out: holding it would keep the tensor,
+# and so the entry, alive for ever. Entries are made at the first tuple-style read, not at every dispatch, so that
+# callers who pass the handle itself pay nothing for them.
+_TUPLE_HANDLES: Dict[int, _TupleEntry] = {}
+
+
+def _remember_tuple(handle: DispatchHandle) -> None:
+    src = handle.recv_src_idx
+    entry = _TUPLE_HANDLES.get(id(src))
+    if entry is not None and entry.handle() is handle and entry.recv_src_idx() is src:
+        return
+    rest = copy.copy(handle)
+    rest.recv_src_idx = None
+    _TUPLE_HANDLES[id(src)] = _TupleEntry(weakref.ref(src), weakref.ref(handle), rest)
+    # (called while the tensor is freed, before its id can name another object)
+    weakref.finalize(src, _TUPLE_HANDLES.pop, id(src), None)
 
 
 def rank_prefix_matrix_from_counts(tokens_from_to: List[List[int]], device: Optional[torch.device] = None) \
