@@ -64,7 +64,8 @@ def test_moe_overlap_table_is_the_published_table():
         assert line in published, line
     assert "| reference | 16 | 92.34 | 25.7% | 69.92 | 0.2% | 1.32x |" in lines
     assert "picked nvlink with 24 comm SMs" in text
-    assert "marked for a 2-GPU re-run" in text
+    assert "wait for a re-run" in text
+    assert "exposed 0.0% from the piece events and 0.0% from the SM trace" in text
 
 
 def test_pipeline_table_prints_every_schedule_and_its_check(tmp_path, monkeypatch):
