@@ -1020,9 +1020,9 @@ class NvlinkTransport:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
         self.num_sms = num_sms
         self.tokens_per_step = 4
-        # 8 tokens per combine step with 2 ranks (the packed two-row sum: 128 registers, no spills); 4 with more
-        # (8 spills there)
-        self.combine_tokens_per_step = 8 if self.num_ranks == 2 else 4
+        # 8 tokens per combine step with 2 ranks (the packed two-row sum: 128 registers, no spills; 4 under the
+        # Tritons whose ptxas spills at 8: ptx.TWO_RANK_COMBINE_TOKENS); 4 with more (8 spills there)
+        self.combine_tokens_per_step = ptx.TWO_RANK_COMBINE_TOKENS if self.num_ranks == 2 else 4
         self.num_warps = 16  # per program of the dispatch and combine kernels
         self.combine_chunks = None  # by num_sms: default_combine_chunks
         self.stage_chunks = 4
