@@ -132,12 +132,12 @@ def _spill_bytes(ptx_text: str) -> int:
 
 @pytest.mark.compile
 def test_combine_kernel_does_not_spill_with_two_ranks():
-    """The combine at its default tokens a step on 2 ranks (8; 4 under the Tritons whose ptxas spills at 8), with and
-    without top-k weights, keeps its registers (with weights in the rows' loop it spilled 76 bytes and a weighted
-    combine took 258 us against 204 without, at 20 SMs on 2 H200; BENCHMARKS.md §2, session 27)."""
+    """The combine at its default 8 tokens a step on 2 ranks, with and without top-k weights, keeps its registers
+    (with weights in the rows' loop it spilled 76 bytes and a weighted combine took 258 us against 204 without, at
+    20 SMs on 2 H200; BENCHMARKS.md §2, session 27)."""
     sig, aligned = COMBINE_SIGNATURE, COMBINE_ALIGNED
     for weights in (False, True):
-        consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": ptx.TWO_RANK_COMBINE_TOKENS, "HAS_WEIGHTS": weights,
+        consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": weights,
                   "WAIT_COPIES": True, "CHUNKS": 4, "CP": 4, "TRACE": False}
         text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
         assert _spill_bytes(text) == 0, f"weights {weights}"
