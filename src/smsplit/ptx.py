@@ -427,12 +427,13 @@ TMA_LOAD_1D = ("cp.async.bulk.tensor.1d.shared::cta.global.mbarrier::complete_tx
                "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes")
 TMA_STORE_1D = "cp.async.bulk.tensor.1d.global.shared::cta.bulk_group"
 
-# Parts a kernel splits a tile of rows into where its whole tile's loads would spill registers. The combine's sum
-# with two ranks loads [8, H] rows from each rank (2 x 64 words a thread of its 16 warps) before adding them; the
-# ptxas that Triton 3.8 runs for sm_90 (12.9) spills 84 bytes of the weighted combine there, 13 reloads of them in
-# its rows' loop, where 3.6's and 3.7's (ptxas 12.8) fit it in 101 registers and 3.9's (ptxas 13.4) in 124 (a spill
-# there cost a weighted combine 204 -> 258 us on H200, BENCHMARKS.md session 27). In two parts of columns 3.8's
-# fits it in 126; the others keep the one part measured on H200.
+# Parts of columns in which the combine's two-rank sum (`smsplit.ep.nvlink.sum_returned_rows`) loads and adds its
+# rows: [8, H] from each rank at 8 tokens a step, 2 x 64 words a thread of its 16 warps. In one part, the ptxas that
+# Triton 3.8 runs for sm_90 (12.9) spills 84 bytes of the weighted combine, 13 reloads of them in its rows' loop,
+# where 3.6's and 3.7's (ptxas 12.8) fit it in 101 registers and 3.9's (ptxas 13.4) in 124 (a spill there cost a
+# weighted combine 204 -> 258 us on H200, BENCHMARKS.md session 27). In two parts (the same instructions) 3.8's fits
+# it in 126. The others keep the one part measured on H200; fewer tokens a step would also fit but cost the
+# combine 250 against 219 us at 4 (docs/ep.md).
 ROW_PARTS = tl.constexpr(2 if TRITON == (3, 8) else 1)
 
 
