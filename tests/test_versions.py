@@ -70,6 +70,20 @@ def test_the_check_reads_the_installed_packages(monkeypatch):
     versions.check()
 
 
+def test_triton_from_torchs_own_builds_is_checked_too(monkeypatch):
+    import importlib.metadata as md
+
+    def version(distribution):
+        if distribution == "pytorch-triton":
+            return "3.10.0+git1234"
+        raise md.PackageNotFoundError(distribution)
+    monkeypatch.setattr(md, "version", version)
+    assert versions.installed("triton") == "3.10.0+git1234" and versions.installed("torch") is None
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    with pytest.raises(versions.UnsupportedVersionError, match=r"triton 3\.10\.0\+git1234 is installed"):
+        versions.check()
+
+
 _IMPORT_WITH = """
 import importlib.metadata as md, sys
 fake = {fake!r}

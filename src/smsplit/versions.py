@@ -43,12 +43,18 @@ def range_text(package: str) -> str:
     return f"{package}>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
 
 
+# Distributions that install a package's module under another name (torch's own builds of Triton).
+_ALSO_SHIPPED_AS = {"triton": ("pytorch-triton",)}
+
+
 def installed(package: str) -> str | None:
     """The installed version of ``package`` (from its metadata), or None where it is not installed."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    for distribution in (package, *_ALSO_SHIPPED_AS.get(package, ())):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def problems(versions: dict[str, str | None]) -> list[str]:
