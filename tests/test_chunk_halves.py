@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import torch
     import triton
@@ -39,6 +41,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.compile
 def test_e4m3_halves_at_chunk_halves_rebuild_the_row():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]))

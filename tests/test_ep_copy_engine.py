@@ -12,6 +12,7 @@ from smsplit.ep import copy_engine
 from smsplit.launch import free_port
 
 
+@pytest.mark.compile
 def test_copy_engine_kernels_compile_with_their_ptx():
     text, cubin = ptx.compile_for_sm90(
         copy_engine.gate_kernel,

@@ -106,6 +106,7 @@ def test_token_positions_count_the_earlier_tokens_to_each_rank(device, num_token
     assert token_positions(in_rank.to(device)).tolist() == want
 
 
+@pytest.mark.compile
 def test_layout_kernels_compile_for_hopper():
     layout_signature = {"topk_ptr": "*i64", "given_ptr": "*i1", "in_rank_ptr": "*i1", "counts_ptr": "*i32",
                         "T": "i32", "K": "i32", "R": "i32", "E": "i32", "L": "i32", "CHECK": "constexpr",

@@ -32,6 +32,7 @@ COMBINE_ALIGNED = [name for name, kind in COMBINE_SIGNATURE.items()
                    if kind.startswith("*") or name.startswith("off_")] + ["H"]
 
 
+@pytest.mark.compile
 def test_dispatch_and_combine_kernels_compile_with_their_ptx():
     base = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
             "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
@@ -130,6 +131,7 @@ def _spill_bytes(ptx_text: str) -> int:
     return int(re.search(r"(\d+) bytes spill stores", report).group(1))
 
 
+@pytest.mark.compile
 def test_combine_kernel_does_not_spill_with_two_ranks():
     """The combine at its default 8 tokens a step on 2 ranks, with and without top-k weights, keeps its registers
     (with weights in the rows' loop it spilled 76 bytes and a weighted combine took 258 us against 204 without, at

@@ -157,6 +157,7 @@ def test_128x128_argument_errors():
         fp8.dequantize_128x128(w_fp8, scales[:1])
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("in_type", ["*bf16", "*fp32"])
 def test_triton_kernel_compiles_for_sm90(in_type):
     triton = pytest.importorskip("triton")
@@ -220,6 +221,7 @@ print("EQUAL" if torch.equal(out, q.view(torch.int32)) else "DIFFERENT")
 """
 
 
+@pytest.mark.compile
 def test_e4m3_v4_words_are_the_bytes_of_each_vector():
     """Run the packing helper in Triton's interpreter (CPU) against torch's view of the same bytes as int32."""
     pytest.importorskip("triton")

@@ -7,6 +7,8 @@ import triton.language as tl
 from smsplit import ptx
 from smsplit.fp8 import quantize_e4m3_bf16_vector_pairs
 
+pytestmark = pytest.mark.compile  # every test here compiles the intrinsics for sm_90 or checks them
+
 
 @triton.jit
 def _where_when(out):

@@ -113,6 +113,7 @@ def test_bad_records_are_rejected():
         Trace.from_records([(0, 0, 1, 0)], [("a", "network")])
 
 
+@pytest.mark.compile
 def test_traced_kernels_compile_for_sm90():
     ptx_text, _ = ptx.compile_for_sm90(_probe_kernel, {"trace_ptr": "*i64", "tag": "i32", "spin_ns": "i64"})
     assert "%smid" in ptx_text and "%globaltimer" in ptx_text

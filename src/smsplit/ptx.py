@@ -15,8 +15,12 @@ address must be 16-byte aligned. ``mask`` arguments are int1/int32 blocks: where
 returns zeros and the store does nothing.
 """
 
+import inspect
+
 import triton
 import triton.language as tl
+
+from smsplit.versions import release
 
 # --- where and when ----------------------------------------------------------------------------
 
@@ -410,19 +414,50 @@ INSTRUCTIONS = {
 }
 
 
+# --- Triton versions ------------------------------------------------------------------------------
+# Where a Triton release changed what smsplit's kernels or their compile checks see, the difference lives here and
+# nowhere else. Each entry names the release that changed it.
+
+TRITON = release(triton.__version__)  # (major, minor)
+
+# Triton 3.7 writes a TMA load's shared-memory destination as the CTA's own window (``.shared::cta``, PTX 8.6+),
+# where 3.6 wrote the cluster window (``.shared::cluster``); for a kernel launched without clusters both name the
+# same bytes, and the load is the same bulk tensor copy completing on an mbarrier.
+TMA_LOAD_1D = ("cp.async.bulk.tensor.1d.shared::cta.global.mbarrier::complete_tx::bytes" if TRITON >= (3, 7) else
+               "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes")
+TMA_STORE_1D = "cp.async.bulk.tensor.1d.global.shared::cta.bulk_group"
+
+# Parts of columns in which the combine's two-rank sum (`smsplit.ep.nvlink.sum_returned_rows`) loads and adds its
+# rows: [8, H] from each rank at 8 tokens a step, 2 x 64 words a thread of its 16 warps. In one part, the ptxas that
+# Triton 3.8 runs for sm_90 (12.9) spills 84 bytes of the weighted combine, 13 reloads of them in its rows' loop,
+# where 3.6's and 3.7's (ptxas 12.8) fit it in 101 registers and 3.9's (ptxas 13.4) in 124 (a spill there cost a
+# weighted combine 204 -> 258 us on H200, BENCHMARKS.md session 27). In two parts (the same instructions) 3.8's fits
+# it in 126. The others keep the one part measured on H200; fewer tokens a step would also fit but cost the
+# combine 250 against 219 us at 4 (docs/ep.md).
+ROW_PARTS = tl.constexpr(2 if TRITON == (3, 8) else 1)
+
+
 def compile_for_sm90(fn, signature, constexprs=None, num_warps=4, aligned=()):
     """Compile a ``@triton.jit`` kernel for Hopper (sm_90) without a GPU.
 
     Returns ``(ptx, cubin)``. Used by the CPU tests to check that every kernel builds and holds the
     instructions it was written for. ``aligned``: arguments (pointers, integers) to compile as
-    multiples of 16, as Triton specializes them at launch when they are.
+    multiples of 16, as Triton specializes them at launch when they are. A parameter with a default
+    that ``signature`` leaves out is compiled at its default, as a launch that omits it is (from
+    Triton 3.8 on, a signature without it fails: ``'NoneType' object has no attribute '_unflatten_ir'``).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = list(signature)
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters
+    constexprs = dict(constexprs or {})
+    for name, param in params.items():
+        if name not in signature and param.default is not param.empty:
+            constexprs.setdefault(name, param.default)
+    signature = {name: signature.get(name, "constexpr") for name in params if name in signature or name in constexprs}
+    names = list(params)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs or {}, attrs=attrs)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
     )

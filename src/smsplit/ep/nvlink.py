@@ -247,16 +247,18 @@ def sum_returned_rows(t, tmask, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx
     t64 = t.to(tl.int64)[:, None]
     pos = tl.load(pos_ptr + t64 * R + cols[None, :], mask=tmask[:, None] & (cols[None, :] < R), other=-1)
     if RP == 2:  # two ranks: at most two rows per token, added as packed bf16 pairs (`ptx.bf16x2_add_as_fp32`)
-        w = tl.arange(0, HB // 2)[None, :]  # the int32 words of a row
-        wmask = w < H // 2
-        p_own = _column(pos, cols, rank).to(tl.int64)[:, None]
-        p_peer = _column(pos, cols, 1 - rank).to(tl.int64)[:, None]
-        own = tl.load(y_bf16.to(tl.pointer_type(tl.int32), bitcast=True) + (self_start + p_own) * (H // 2) + w,
-                      mask=(p_own >= 0) & wmask, other=0)
-        peer = tl.load(cx.to(tl.pointer_type(tl.int32), bitcast=True) + ((1 - rank) * slots + p_peer) * (H // 2) + w,
-                       mask=(p_peer >= 0) & wmask, other=0, cache_modifier=".cg")
-        tl.store(out_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + t64 * (H // 2) + w,
-                 ptx.bf16x2_add_as_fp32(own, peer), mask=tmask[:, None] & wmask)
+        WB: tl.constexpr = HB // 2 // ptx.ROW_PARTS  # (in parts where a Triton's ptxas would spill the whole rows)
+        for part in tl.static_range(ptx.ROW_PARTS):
+            w = part * WB + tl.arange(0, WB)[None, :]  # the int32 words of a row
+            wmask = w < H // 2
+            p_own = _column(pos, cols, rank).to(tl.int64)[:, None]
+            p_peer = _column(pos, cols, 1 - rank).to(tl.int64)[:, None]
+            own = tl.load(y_bf16.to(tl.pointer_type(tl.int32), bitcast=True) + (self_start + p_own) * (H // 2) + w,
+                          mask=(p_own >= 0) & wmask, other=0)
+            peer = tl.load(cx.to(tl.pointer_type(tl.int32), bitcast=True) + ((1 - rank) * slots + p_peer) * (H // 2) + w,
+                           mask=(p_peer >= 0) & wmask, other=0, cache_modifier=".cg")
+            tl.store(out_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + t64 * (H // 2) + w,
+                     ptx.bf16x2_add_as_fp32(own, peer), mask=tmask[:, None] & wmask)
     else:
         acc = tl.zeros((TB, HB), dtype=tl.float32)
         for d in range(R):  # (not unrolled over RP with predicated loads: that is slower on Hopper)
