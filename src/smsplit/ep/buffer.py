@@ -10,12 +10,13 @@ import torch.distributed as dist
 
 from .. import fp8 as fp8_lib
 from ..timeouts import timeout_problem
+from .autograd import Untracked, combine_with_grad, dispatch_with_grad
 from .event import EventOverlap
 from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combine_row_bytes,
                      check_dispatch_layout, compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
                      to_local_expert_ids)
 from .reference import ReferenceTransport
-from .transport import EPArgumentError, EPError, EPTimeoutError
+from .transport import EPArgumentError, EPError, EPTimeoutError, check_num_worst_tokens
 
 BACKENDS = ("auto", "reference", "nvlink", "copy_engine", "nvlink_copy_engine")
 DEVICE_BACKENDS = ("nvlink", "copy_engine", "nvlink_copy_engine")  # our kernels on symmetric memory, one node
@@ -687,14 +688,13 @@ class Buffer:
         grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
         grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
         if torch.is_grad_enabled() and (grad_x or grad_w):
-            from .autograd import dispatch_with_grad
             fields = dict(handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                           num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                           num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                           expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                           previous_event=previous_event, async_finish=async_finish, fp8=fp8, dequantize=dequantize,
                           config=config)
-            return dispatch_with_grad(self, x, topk_weights, fields)
+            return dispatch_with_grad(self._untracked(), x, topk_weights, fields)
         return self._dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                               previous_event, async_finish, fp8, dequantize, config=config)
@@ -738,11 +738,7 @@ class Buffer:
             tokens_from_to = headers[:, HEADER_WORDS:].tolist()
             num_local_experts = spec["num_experts"] // self.group_size
             recv_per_rank = [sum(row[q] for row in tokens_from_to) for q in range(self.group_size)]
-            for q in range(self.group_size):
-                worst = int(headers[q, H_NUM_WORST])
-                if 0 < worst < recv_per_rank[q]:
-                    raise _reject("num_worst_tokens", f"rank {q} receives {recv_per_rank[q]} tokens but its "
-                                                      f"num_worst_tokens is {worst}")
+            check_num_worst_tokens(recv_per_rank, headers[:, H_NUM_WORST].tolist())  # (on every rank alike)
             per_expert = torch.tensor(spec["host_layout"]["num_tokens_per_expert"]).view(self.group_size,
                                                                                          num_local_experts)
             recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0)
@@ -902,9 +898,11 @@ class Buffer:
         handle = _handle_of(handle)
         biases = _bias_tuple(bias)
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
-        if torch.is_grad_enabled() and needs_grad:
-            from .autograd import combine_with_grad
-            return combine_with_grad(self, x, handle, topk_weights, bias, previous_event, async_finish, config)
+        # (a bias the checks reject, on every rank: untracked, to be rejected there)
+        trackable = len(biases) <= 2 and (bias is None or isinstance(bias, (torch.Tensor, tuple, list)))
+        if torch.is_grad_enabled() and needs_grad and trackable:
+            return combine_with_grad(self._untracked(), x, handle, topk_weights, biases, previous_event, async_finish,
+                                     config)
         return self._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
 
     def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False,
@@ -1308,6 +1306,10 @@ class Buffer:
         which reject it on every rank)."""
         if isinstance(previous_event, EventOverlap):
             previous_event.current_stream_wait()
+
+    def _untracked(self) -> Untracked:
+        """This buffer's calls without autograd, for `smsplit.ep.autograd` (its internal contract: `Untracked`)."""
+        return Untracked(self.device, self._dispatch, self._combine, self._finish_event)
 
     def _finish_event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap.record_current_stream(self.device) if async_finish else EventOverlap()

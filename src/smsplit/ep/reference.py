@@ -11,13 +11,14 @@ is on this machine (`smsplit.ep.host_headers`; ``SMSPLIT_EP_HOST_HEADERS=0`` tur
 import datetime
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .host_headers import HostHeaders, enabled_by_environment
-from .layout import DispatchHandle
+if TYPE_CHECKING:  # (annotations only: the layout module holds Triton kernels, which this one needs not)
+    from .layout import DispatchHandle
 from .transport import EPError, EPTimeoutError, Transport, all_gather_into_tensor, poll_until
 
 
@@ -167,7 +168,7 @@ class ReferenceTransport(Transport):
         than a batch of point-to-point messages), on a stream of its own (``cuStreamCreate``), so that it waits
         for no GPU work queued before it: a call's headers cross while the GPU still runs earlier work."""
         if self._header_stream is None:
-            from .copy_engine import StreamOps
+            from ..cuda_driver import StreamOps
 
             self._stream_ops = StreamOps(self.device)  # owns the stream: destroyed with it
             self._header_stream = self._stream_ops.new_stream()
@@ -181,7 +182,7 @@ class ReferenceTransport(Transport):
                 self._wait_any(work, op, what, peers, deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
 
-    def _layout(self, handle: DispatchHandle) -> ReferenceLayout:
+    def _layout(self, handle: "DispatchHandle") -> ReferenceLayout:
         """The handle's plan for this transport (`handle.transport_state`), made at its first use (a layout the
         NVLink kernels move never needs it)."""
         if not isinstance(handle.transport_state, ReferenceLayout):
@@ -196,7 +197,7 @@ class ReferenceTransport(Transport):
                 recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
         return handle.transport_state
 
-    def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
+    def dispatch(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor]) -> List[torch.Tensor]:
         layout = self._layout(handle)
         widths = [_inner_numel(f) * f.element_size() for f in fields]
         row_bytes = sum(widths)
@@ -214,7 +215,7 @@ class ReferenceTransport(Transport):
                 col += w
         return out
 
-    def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
+    def combine(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]]) \
             -> List[Optional[torch.Tensor]]:
         layout = self._layout(handle)
         present = [f for f in fields if f is not None]
