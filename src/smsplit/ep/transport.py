@@ -42,6 +42,24 @@ class EPError(RuntimeError):
     """Communication failed (a peer died, ranks called different operations). The buffer is unusable after it."""
 
 
+class EPAbortError(EPError):
+    """
+    A peer failed on its own: its `Buffer` call raised an error that the other ranks did not raise with it (say its
+    `get_dispatch_layout` rejected an expert id while this rank was in `dispatch`), or its process ended. Raised at
+    once by the waits for peers, instead of `EPTimeoutError` at `timeout_s`. The buffer is unusable after it.
+
+    Attributes:
+        peer: the rank that failed first (another rank that raised this error passes the same rank on).
+        error: what failed there, e.g. "get_dispatch_layout: EPArgumentError: topk_idx: expert ids must lie in
+            [-1, 8) (num_experts=8), got values in [0, 9]", or "its process (pid 4242) ended".
+    """
+
+    def __init__(self, message: str, peer: int, error: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.error = error
+
+
 class EPTimeoutError(TimeoutError):
     """
     A peer did not arrive within the buffer's `timeout_s`. The buffer is unusable after it.
