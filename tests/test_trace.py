@@ -9,7 +9,8 @@ from PIL import Image
 
 from smsplit import ptx
 from smsplit.copy import persistent_copy_kernel, sm_copy
-from smsplit.trace import Trace, _probe_kernel, _spin_kernel, comm_beside_gemm
+from smsplit.apps.trace import comm_beside_gemm
+from smsplit.trace import Trace, _probe_kernel, _spin_kernel
 
 
 def synthetic_trace():

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from smsplit.cuda_driver import check, cuda_driver
+
 MODES = ("green", "grid")
 
 
@@ -101,26 +103,12 @@ def _resolve_device(device) -> torch.device:
 
 
 def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise SmBudgetError(
-            "mode='green' needs the cuda-bindings package (pip install cuda-bindings); "
-            "mode='grid' works without it"
-        ) from e
-    return driver
+    return cuda_driver(SmBudgetError, "; mode='green' needs it, mode='grid' works without it")
 
 
 def _check(result, what: str):
-    """Unpack a cuda.bindings return tuple, raising SmBudgetError on a driver error."""
-    driver = _driver()
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise SmBudgetError(f"{what} failed: {name.decode() if name else err}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
+    """Unpack a cuda.bindings return tuple, raising SmBudgetError on a driver error (`smsplit.cuda_driver.check`)."""
+    return check(result, what, SmBudgetError)
 
 
 def driver_version_text(version: int) -> str:

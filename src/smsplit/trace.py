@@ -13,9 +13,8 @@ just before and just after them records which SMs that stream can reach and when
     trace.save_png("trace.png"); trace.save_chrome("trace.json")
 
 Records can also be built from plain arrays (``Trace.from_records``) to draw or test on a CPU.
-``concurrent_ns`` and ``alone_ns`` say how long two kinds of work ran at once, or one without the other;
-`comm_beside_gemm` is the workload `smsplit trace` draws: a copy kernel beside cuBLAS GEMMs, both queued
-behind one gate so that they start together.
+``concurrent_ns`` and ``alone_ns`` say how long two kinds of work ran at once, or one without the other.
+The workload `smsplit trace` draws (a copy kernel beside cuBLAS GEMMs) is `smsplit.apps.trace.comm_beside_gemm`.
 """
 
 from __future__ import annotations
@@ -329,59 +328,3 @@ class Trace:
         """Write `to_chrome` as JSON to ``path`` (for chrome://tracing or Perfetto; probes included by default)."""
         with open(path, "w") as f:
             json.dump(self.to_chrome(include_probes), f)
-
-
-GEMM_NAME, COPY_NAME = "GEMM (cuBLAS)", "copy (smsplit)"
-
-
-def comm_beside_gemm(budget, gemm_n: int = 8192, gemms: int = 4, copy_mib: int = 256, copies: int = 4,
-                     gate_ns: int = 2_000_000) -> Trace:
-    """Trace smsplit's copy kernel beside cuBLAS GEMMs on an `smsplit.budget.SmBudget`: ``copies`` copies of
-    ``copy_mib`` MiB with ``budget.comm_sms`` programs on the comm stream (each program recorded), and
-    ``gemms`` bf16 GEMMs of ``gemm_n``^3 on the compute stream (a span). Returns the trace of one round;
-    ``trace.concurrent_ns()`` is how long the two ran at once. Raises RuntimeError if the copy is wrong.
-
-    Launched cold, the two run one after the other: the traced copy kernel's first launch in a process
-    compiles it, or loads it from Triton's cache, and that takes the host longer (hundreds of ms on an H100
-    on a first run) than the GEMMs queued before it take to run; once loaded, a copy queued right after the
-    GEMMs runs beside them. So one full round runs first, traced into a scratch trace (it loads every
-    kernel the round uses, with tracing on, and sets cuBLAS up for the compute stream); then both streams
-    wait on one gate, a kernel spinning ``gate_ns`` on the current stream, while the host queues the copies
-    and the GEMMs behind it, so that both start together whatever the host's launch order and pace.
-    """
-    from smsplit.copy import sm_copy  # (smsplit.copy imports this module)
-
-    for name, value in (("gemm_n", gemm_n), ("gemms", gemms), ("copy_mib", copy_mib), ("copies", copies),
-                        ("gate_ns", gate_ns)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    device = budget.device
-    comm, compute = budget.comm_stream, budget.compute_stream
-    a = torch.randn(gemm_n, gemm_n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(gemm_n, gemm_n, device=device, dtype=torch.bfloat16)
-    src = torch.randn(copy_mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-
-    def one_round(trace: Trace) -> None:
-        _spin_kernel[(1,)](gate_ns, num_warps=1)
-        gate = torch.cuda.current_stream(device).record_event()  # also after the inputs, made on this stream
-        with torch.cuda.stream(comm):  # the copy first: the comm stream's priority is the higher one
-            comm.wait_event(gate)
-            for _ in range(copies):
-                sm_copy(dst, src, budget.comm_sms, trace=trace, name=COPY_NAME, kind="comm")
-        compute.wait_event(gate)
-        with trace.span(compute, GEMM_NAME, kind="compute"), torch.cuda.stream(compute):
-            for _ in range(gemms):
-                a @ b
-        comm.synchronize()
-        compute.synchronize()
-
-    with torch.cuda.device(device):
-        one_round(Trace(device))  # warm-up, discarded
-        dst.zero_()
-        torch.cuda.synchronize(device)
-        trace = Trace(device)
-        one_round(trace)
-    if not torch.equal(dst, src):
-        raise RuntimeError("the comm kernel's copy differs from its source")
-    return trace

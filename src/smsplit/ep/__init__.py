@@ -3,7 +3,7 @@
 from .buffer import Buffer, Config, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .layout import DispatchHandle, compute_dispatch_layout
-from .transport import EPArgumentError, EPError, EPTimeoutError, Transport
+from .transport import EPAbortError, EPArgumentError, EPError, EPTimeoutError, Transport
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EPArgumentError", "EPError", "EPTimeoutError", "EventHandle",
-           "EventOverlap", "Transport", "compute_dispatch_layout", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EPAbortError", "EPArgumentError", "EPError", "EPTimeoutError",
+           "EventHandle", "EventOverlap", "Transport", "compute_dispatch_layout", "topk_idx_t"]

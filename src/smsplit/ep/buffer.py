@@ -1,5 +1,6 @@
 """`Buffer`: expert-parallel dispatch and combine with the shape of DeepEP's normal (high-throughput) kernels."""
 
+import functools
 import numbers
 import operator
 from typing import List, Optional, Tuple, Union
@@ -10,12 +11,13 @@ import torch.distributed as dist
 
 from .. import fp8 as fp8_lib
 from ..timeouts import timeout_problem
+from .autograd import Untracked, combine_with_grad, dispatch_with_grad
 from .event import EventOverlap
 from .layout import (SCALE_BLOCK, DispatchHandle, align_up, buffer_bytes, combine_row_bytes,
                      check_dispatch_layout, compute_dispatch_layout, dispatch_row_bytes, rank_prefix_matrix_from_counts,
                      to_local_expert_ids)
 from .reference import ReferenceTransport
-from .transport import EPArgumentError, EPError, EPTimeoutError
+from .transport import EPAbortError, EPArgumentError, EPError, EPTimeoutError, check_num_worst_tokens
 
 BACKENDS = ("auto", "reference", "nvlink", "copy_engine", "nvlink_copy_engine")
 DEVICE_BACKENDS = ("nvlink", "copy_engine", "nvlink_copy_engine")  # our kernels on symmetric memory, one node
@@ -53,6 +55,41 @@ def _reject(argument: str, message: str) -> EPArgumentError:
 
 def _status_code(error: EPArgumentError) -> int:
     return 1 + (ARGUMENTS.index(error.argument) if error.argument in ARGUMENTS else len(ARGUMENTS))
+
+
+def _on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that every rank raises in the same call (an argument error the header exchange made
+    every rank see, or a check of a captured call, which every rank captures alike): it does not abort the buffer."""
+    error.on_every_rank = True
+    return error
+
+
+def _aborts(method):
+    """
+    Make the `Buffer` call ``method`` abort the buffer when it raises an error of this rank's own: the peers' waits
+    then raise `EPAbortError` at once, naming this rank and the error, instead of `EPTimeoutError` at `timeout_s`,
+    and this buffer refuses every later call. Not an error that every rank raises with it (`_on_every_rank`), nor one
+    of a wait for a peer (a timeout, a lost peer, ranks out of step: the transport records it as its failure, and the
+    other ranks' waits see the same peer themselves); an `EPAbortError` is passed on, with its cause.
+    """
+    call_name = method.__name__.lstrip("_")
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        rounds = self.transport.header_rounds
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as error:
+            own = self.transport.failure is None or isinstance(error, EPAbortError)
+            if own and not getattr(error, "on_every_rank", False):
+                if isinstance(error, EPAbortError):  # a peer failed first: pass its rank and error on
+                    cause, text = error.peer, error.error
+                else:
+                    cause, text = self.rank, f"{call_name}: {type(error).__name__}: {error}"
+                self.transport.abort(cause, text, inside_call=self.transport.header_rounds > rounds)
+            raise
+
+    return call
 
 
 STATUS_TRANSPORT_FAILED = 1000  # a GPU kernel of this rank recorded a timeout; every rank raises EPError
@@ -130,6 +167,13 @@ def _sms_count(name: str, value, subject: str = "expected") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_SMS:
         raise _reject(name, f"{subject} an int in [1, {MAX_NUM_SMS}], got {value!r}")
     return int(value)
+
+
+def _check_topk_idx_form(topk_idx, num_tokens: Optional[int], device: torch.device) -> None:
+    """``topk_idx``'s type, dtype, device and shape (``[num_tokens, k]``, k >= 1; None: any number of tokens)."""
+    _check_tensor("topk_idx", topk_idx, device, (topk_idx_t,), (num_tokens, None))
+    if topk_idx.size(1) < 1:
+        raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
 
 
 def _check_expert_range(low: int, high: int, num_experts: int) -> None:
@@ -250,7 +294,9 @@ class Buffer:
     moves, the ranks exchange a small header and agree on the arguments; an invalid argument on any rank raises
     `EPArgumentError` (a `ValueError` naming the argument) on every rank. A peer that does not arrive within
     `timeout_s` raises `EPTimeoutError` naming the peer and the phase; after that (and after `EPError`) the buffer
-    is unusable.
+    is unusable. A call that raises on one rank alone (an error the others do not raise with it: say its
+    `get_dispatch_layout` rejects an expert id) aborts the buffer: the peers' waits raise `EPAbortError` naming
+    that rank and its error at once, and every rank's buffer refuses later calls (docs/ep.md, "Errors").
 
     The device backends' kernels wait for peers on the GPU, bounded by `timeout_s` too; a wait that times out
     writes the rank, peer and phase to host memory and the kernel runs to its end; the next call raises `EPError`
@@ -557,6 +603,7 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise EPError(f"rank {self.rank}: this Buffer was destroyed (Buffer.destroy)")
+        self.transport._check_usable()  # (after an abort, a timeout, a lost peer)
 
     def destroy(self) -> None:
         """End this buffer: later calls raise `EPError`. Its memory is released when the object is collected (no
@@ -588,11 +635,19 @@ class Buffer:
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             event: the event after the computation (meaningful only with `async_finish` on CUDA).
         """
+        # Errors of the arguments' types and shapes leave the buffer usable: the same code passes them alike on every
+        # rank. Any later error (ids out of range: data, which differ between ranks) aborts it (docs/ep.md, "Errors").
         num_experts = _plain_int(num_experts)
         _check_int("num_experts", num_experts, 1)
         _check_event(previous_event)
         if num_experts % self.group_size:
             raise _reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
+        _check_topk_idx_form(topk_idx, None, self.device)
+        return self._get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish)
+
+    @_aborts
+    def _get_dispatch_layout(self, topk_idx, num_experts: int, previous_event, async_finish: bool):
+        """`get_dispatch_layout` after the checks of its plain arguments."""
         self._check_alive()
         self._wait_previous(previous_event)  # before reading topk_idx on the host: it may come from another stream
         self._check_topk_idx(topk_idx, None, num_experts, values=not self._capturing())
@@ -602,6 +657,7 @@ class Buffer:
 
     # -- dispatch --------------------------------------------------------------------------------------------
 
+    @_aborts
     def dispatch(self, x: Tensorish, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -687,28 +743,31 @@ class Buffer:
         grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
         grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
         if torch.is_grad_enabled() and (grad_x or grad_w):
-            from .autograd import dispatch_with_grad
             fields = dict(handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                           num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                           num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                           expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                           previous_event=previous_event, async_finish=async_finish, fp8=fp8, dequantize=dequantize,
                           config=config)
-            return dispatch_with_grad(self, x, topk_weights, fields)
+            return dispatch_with_grad(self._untracked(), x, topk_weights, fields)
         return self._dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                               previous_event, async_finish, fp8, dequantize, config=config)
 
+    @_aborts
     def _dispatch(self, x: Tensorish, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event,
                   async_finish, fp8, dequantize, internal: bool = False, config=None):
         """`dispatch` without autograd. `internal` allows the cached mode to carry `topk_weights` (for backward)
         and `x=None`."""
         if self._capturing():
-            return self._dispatch_captured(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                           num_worst_tokens, previous_event, async_finish, fp8, dequantize, internal,
-                                           config)
+            try:
+                return self._dispatch_captured(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                               is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                               expert_alignment, num_worst_tokens, previous_event, async_finish, fp8,
+                                               dequantize, internal, config)
+            except EPArgumentError as error:
+                raise _on_every_rank(error)
         self._wait_previous(previous_event)  # before the checks read the layout's values on the host
         header = self._header(OP_DISPATCH)
         error = None
@@ -738,11 +797,10 @@ class Buffer:
             tokens_from_to = headers[:, HEADER_WORDS:].tolist()
             num_local_experts = spec["num_experts"] // self.group_size
             recv_per_rank = [sum(row[q] for row in tokens_from_to) for q in range(self.group_size)]
-            for q in range(self.group_size):
-                worst = int(headers[q, H_NUM_WORST])
-                if 0 < worst < recv_per_rank[q]:
-                    raise _reject("num_worst_tokens", f"rank {q} receives {recv_per_rank[q]} tokens but its "
-                                                      f"num_worst_tokens is {worst}")
+            try:
+                check_num_worst_tokens(recv_per_rank, headers[:, H_NUM_WORST].tolist())
+            except EPArgumentError as error:  # (every rank checks the same headers)
+                raise _on_every_rank(error)
             per_expert = torch.tensor(spec["host_layout"]["num_tokens_per_expert"]).view(self.group_size,
                                                                                          num_local_experts)
             recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0)
@@ -854,6 +912,7 @@ class Buffer:
         return (recv_x, recv_topk_idx, recv_topk_weights, None if cached else [], handle,
                 self._finish_event(async_finish))
 
+    @_aborts
     def check_kernels(self) -> None:
         """
         Raise `EPError` if a kernel of this rank recorded a timeout (a peer that never arrived) since the last
@@ -867,6 +926,7 @@ class Buffer:
 
     # -- combine ---------------------------------------------------------------------------------------------
 
+    @_aborts
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config=None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -902,19 +962,25 @@ class Buffer:
         handle = _handle_of(handle)
         biases = _bias_tuple(bias)
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
-        if torch.is_grad_enabled() and needs_grad:
-            from .autograd import combine_with_grad
-            return combine_with_grad(self, x, handle, topk_weights, bias, previous_event, async_finish, config)
+        # (a bias the checks reject, on every rank: untracked, to be rejected there)
+        trackable = len(biases) <= 2 and (bias is None or isinstance(bias, (torch.Tensor, tuple, list)))
+        if torch.is_grad_enabled() and needs_grad and trackable:
+            return combine_with_grad(self._untracked(), x, handle, topk_weights, biases, previous_event, async_finish,
+                                     config)
         return self._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
 
+    @_aborts
     def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False,
                  config=None):
         """`combine` without autograd; `internal` allows `x=None` (backward of weights only)."""
         if self._capturing():  # no host exchange: the nvlink kernels only (see _dispatch_captured)
-            biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
-            if not self._nvlink_combines(x, handle):
-                raise _reject("x", "a captured combine takes bf16 rows of a dispatch made by the nvlink kernels")
-            sms = self._captured_sms(config, handle.nvlink_transport)
+            try:
+                biases = self._check_combine(x, handle, topk_weights, bias, previous_event, internal)
+                if not self._nvlink_combines(x, handle):
+                    raise _reject("x", "a captured combine takes bf16 rows of a dispatch made by the nvlink kernels")
+                sms = self._captured_sms(config, handle.nvlink_transport)
+            except EPArgumentError as error:
+                raise _on_every_rank(error)
             self._wait_previous(previous_event)
             combined_x, summed_weights = self._combine_nvlink(x, handle, topk_weights, biases, sms)
             return combined_x, summed_weights, self._finish_event(async_finish)
@@ -1033,9 +1099,7 @@ class Buffer:
 
     def _check_topk_idx(self, topk_idx, num_tokens: Optional[int], num_experts: int, values: bool = True) -> None:
         """``values``: also check the ids (reads them on the host: not while capturing a CUDA graph)."""
-        _check_tensor("topk_idx", topk_idx, self.device, (topk_idx_t,), (num_tokens, None))
-        if topk_idx.size(1) < 1:
-            raise _reject("topk_idx", f"expected at least one top-k column, got shape {tuple(topk_idx.shape)}")
+        _check_topk_idx_form(topk_idx, num_tokens, self.device)
         if values and topk_idx.numel():
             _check_expert_range(*torch.stack(torch.aminmax(topk_idx)).tolist(), num_experts)  # one copy to the host
 
@@ -1275,12 +1339,13 @@ class Buffer:
             raise EPError(f"{name}: an NVLink kernel of rank(s) {failed} timed out in an earlier call{own}; this "
                           f"buffer is unusable, make a new group and Buffer")
         if own_error is not None:
-            raise own_error
+            raise _on_every_rank(own_error)
         for r, row in enumerate(rows):
             status = row[H_STATUS]
             if status:
                 argument = ARGUMENTS[status - 1] if status <= len(ARGUMENTS) else "arguments"
-                raise _reject(argument, f"rejected on rank {r} (that rank's error says why); {name} did not start")
+                raise _on_every_rank(_reject(argument, f"rejected on rank {r} (that rank's error says why); {name} "
+                                                       f"did not start"))
         if op == OP_INIT:
             return
         checks = [(H_FLAGS, FLAG_CACHED, "handle", "the cached mode (handle=)"),
@@ -1299,7 +1364,8 @@ class Buffer:
         for word, mask, argument, what in checks:
             values = [row[word] if mask is None else row[word] & mask for row in rows]
             if len(set(values)) != 1:
-                raise _reject(argument, f"{what} differs between ranks: {values} on ranks 0..{self.group_size - 1}")
+                raise _on_every_rank(_reject(argument, f"{what} differs between ranks: {values} on ranks "
+                                                       f"0..{self.group_size - 1}"))
 
     # -- events ----------------------------------------------------------------------------------------------
 
@@ -1308,6 +1374,10 @@ class Buffer:
         which reject it on every rank)."""
         if isinstance(previous_event, EventOverlap):
             previous_event.current_stream_wait()
+
+    def _untracked(self) -> Untracked:
+        """This buffer's calls without autograd, for `smsplit.ep.autograd` (its internal contract: `Untracked`)."""
+        return Untracked(self.device, self._dispatch, self._combine, self._finish_event)
 
     def _finish_event(self, async_finish: bool) -> EventOverlap:
         return EventOverlap.record_current_stream(self.device) if async_finish else EventOverlap()

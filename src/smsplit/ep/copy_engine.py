@@ -1,7 +1,5 @@
-"""Copy-engine transport: SMs pack, the GPU's copy engines move the bytes across NVLink, SMs unpack.
-
-(The transport itself follows StreamOps below.)
-"""
+"""Copy-engine transport: SMs pack, the GPU's copy engines move the bytes across NVLink, SMs unpack (the copies and
+stream memory operations through `smsplit.cuda_driver.StreamOps`)."""
 
 from __future__ import annotations
 
@@ -16,114 +14,14 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.cuda_driver import StreamOps
 from smsplit.launch import FastLaunch
 from smsplit.trace import record_block
 
 from .layout import region_offsets, token_positions
 from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
-from .transport import EPTimeoutError, all_gather_into_tensor, check_combine_weights, poll_until, symmetric_buffer
-
-
-class StreamOps:
-    """Copy-engine copies and stream memory operations on torch streams, through the CUDA driver.
-
-    A copy (``cuMemcpyDtoDAsync``) between this GPU's memory and a peer's memory mapped into this
-    process runs on a copy engine: no SM is used. ``wait_geq`` makes later work on a stream wait until
-    a 32-bit word reaches a value (``cuStreamWaitValue32``); ``write`` stores a 32-bit word once the
-    stream's earlier work is done, with a system-wide fence before it (``cuStreamWriteValue32``).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        from cuda.bindings import driver
-
-        self._driver = driver
-        torch.cuda.init()
-        self._check(driver.cuInit(0), "cuInit")
-        self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self._fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self._streams = {}  # torch stream handle -> CUstream (made once: these calls are on the host's hot path)
-        self._batch_attrs = None
-        self.batched = None  # whether cuMemcpyBatchAsync works here (None: not tried yet)
-        self.device = torch.device(device)
-        self._owned = []  # streams made by new_stream, destroyed with this object
-
-    def new_stream(self) -> torch.cuda.ExternalStream:
-        """A stream of its own (``cuStreamCreate``, non-blocking), for copies that kernels on other streams wait
-        for. Not one of torch's pooled streams: ``torch.cuda.Stream()`` hands out the same 32 streams per priority
-        in turn, so a caller's stream could be this one, and a kernel that waits for copies queued behind it on
-        that stream would wait until its timeout."""
-        d = self._driver
-        with torch.cuda.device(self.device):
-            torch.cuda.current_stream()  # the device's primary context current on this thread
-            err, stream = d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
-            self._check(err, "cuStreamCreate")
-            self._owned.append(stream)
-            return torch.cuda.ExternalStream(int(stream), device=self.device)
-
-    def __del__(self):
-        for stream in getattr(self, "_owned", ()):
-            try:  # work still queued there finishes first (the driver releases the stream after it)
-                self._driver.cuStreamDestroy(stream)
-            except Exception:  # interpreter shutdown: the driver module may be gone
-                pass
-
-    def _stream(self, stream: torch.cuda.Stream):
-        handle = stream.cuda_stream
-        cu = self._streams.get(handle)
-        if cu is None:
-            cu = self._streams[handle] = self._driver.CUstream(handle)
-        return cu
-
-    def _check(self, result, what: str) -> None:
-        err = result[0] if isinstance(result, tuple) else result
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            _, name = self._driver.cuGetErrorName(err)
-            raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
-
-    def memcpy(self, stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from address ``src`` to ``dst`` in stream order (nothing when nbytes == 0)."""
-        if nbytes > 0:
-            d = self._driver
-            self._check(d.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream)), "cuMemcpyDtoDAsync")
-
-    def memcpy_batch(self, stream: torch.cuda.Stream, copies: list) -> None:
-        """The copies ``(dst, src, nbytes)`` in stream order, in one ``cuMemcpyBatchAsync`` where the driver
-        has it (one host call instead of one per copy; the copies of a batch may run in any order, so none
-        may depend on another), else one ``memcpy`` each."""
-        copies = [c for c in copies if c[2] > 0]
-        d = self._driver
-        if len(copies) > 1 and self.batched is not False:
-            try:
-                if self._batch_attrs is None:
-                    attrs = d.CUmemcpyAttributes()
-                    attrs.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-                    self._batch_attrs = [attrs]
-                result = d.cuMemcpyBatchAsync([d.CUdeviceptr(c[0]) for c in copies], [d.CUdeviceptr(c[1]) for c in copies],
-                                              [c[2] for c in copies], len(copies), self._batch_attrs, [0], 1,
-                                              self._stream(stream))
-                err = result[0] if isinstance(result, tuple) else result
-                if err == d.CUresult.CUDA_SUCCESS:
-                    self.batched = True
-                    return
-                if self.batched:  # it worked before: a real failure
-                    self._check(result, "cuMemcpyBatchAsync")
-            except (AttributeError, TypeError):  # bindings without the call (CUDA < 12.8) or another signature
-                pass
-            self.batched = False  # not available here: copy one at a time from now on
-        for dst, src, nbytes in copies:
-            self.memcpy(stream, dst, src, nbytes)
-
-    def wait_geq(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        """Later work on ``stream`` waits until the int32 at ``addr`` is >= ``value`` (cyclic compare)."""
-        d = self._driver
-        self._check(d.cuStreamWaitValue32(self._stream(stream), addr, value & 0xFFFFFFFF, self._geq),
-                    "cuStreamWaitValue32")
-
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        """Store ``value`` to the int32 at ``addr`` after the stream's earlier work, fenced."""
-        d = self._driver
-        self._check(d.cuStreamWriteValue32(self._stream(stream), addr, value & 0xFFFFFFFF, self._fenced),
-                    "cuStreamWriteValue32")
+from .transport import (EPTimeoutError, all_gather_into_tensor, check_combine_weights, check_num_worst_tokens, poll_until,
+                        symmetric_buffer)
 
 
 # --- kernels -----------------------------------------------------------------------------------------
@@ -395,7 +293,7 @@ class CopyEngineTransport:
     def layout(self, is_token_in_rank: torch.Tensor, num_worst_tokens: int = 0) -> CopyEngineLayout:
         """Where every token goes, from every rank's ``is_token_in_rank`` (a collective: an NCCL all-gather of
         per-chunk counts, then a host copy). Raises ValueError on every rank if any rank would receive more
-        than ``num_worst_tokens`` rows (when it is > 0)."""
+        than ``num_worst_tokens`` rows (when it is > 0): `EPArgumentError` (`check_num_worst_tokens`)."""
         R, NC = self.num_ranks, self.num_chunks
         T = is_token_in_rank.size(0)
         chunk = max(1, -(-T // NC))
@@ -411,10 +309,7 @@ class CopyEngineTransport:
             raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
         counts = gathered.cpu().numpy()
         totals = counts.sum(axis=(0, 1))  # rows each rank receives
-        if num_worst_tokens and int(totals.max()) > num_worst_tokens:
-            worst = int(totals.argmax())
-            raise ValueError(f"num_worst_tokens: rank {worst} receives {int(totals[worst])} tokens, more than "
-                             f"num_worst_tokens={num_worst_tokens}")
+        check_num_worst_tokens(totals.tolist(), [num_worst_tokens] * R)
         recv = counts[:, :, self.rank].sum(axis=1)
         recv_start = [0] + np.cumsum(recv).tolist()
         return CopyEngineLayout(pos, counts, T, chunk, [int(v) for v in recv_start],

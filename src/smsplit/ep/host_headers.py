@@ -14,6 +14,12 @@ a peer still reads it.
 
 The file is created by rank 0 and removed from ``/dev/shm`` as soon as every rank has mapped it (the mappings stay
 valid), so nothing is left behind when a process dies.
+
+After the slots, each rank owns an abort entry, ``[state, code, cause, nbytes, message...]``: a rank whose `Buffer`
+call raises on it alone writes it once (`abort`; the state word last), and every wait for a peer reads the
+entries (`failure`), so that the peers raise at once instead of at their timeout. Every rank also records, at
+`connect`, each peer's process id and start time (``/proc``), so that a wait can see a peer's process end
+(`ended`), which shared memory alone never shows.
 """
 
 import mmap
@@ -21,7 +27,7 @@ import os
 import secrets
 import time
 import zlib
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +39,9 @@ MAX_WORDS = 1 << 16  # payload capacity of a slot in int64 words (512 KiB; pages
 SLOT_HEAD = 3  # round, words, crc32
 GAVE_UP = -2  # the words of a slot whose rank timed out waiting in that round (a late peer then raises too)
 ENV_SWITCH = "SMSPLIT_EP_HOST_HEADERS"  # "0": exchange headers through the process group instead
+ABORT_HEAD = 4  # state (1 once written), code, cause, nbytes
+ABORT_MESSAGE_WORDS = 128  # the message: up to 1 KiB of UTF-8
+ABORT_WORDS = ABORT_HEAD + ABORT_MESSAGE_WORDS
 
 
 def enabled_by_environment() -> bool:
@@ -47,17 +56,21 @@ class HostHeaders:
     the same order, like a collective.
     """
 
-    def __init__(self, rank: int, num_ranks: int, mapping: mmap.mmap) -> None:
+    def __init__(self, rank: int, num_ranks: int, mapping: mmap.mmap,
+                 processes: Optional[List[Optional[Tuple[int, int]]]] = None) -> None:
         self.rank = rank
         self.num_ranks = num_ranks
         self._mapping = mapping
         self._words = np.frombuffer(mapping, dtype=np.int64)
         self._slot_words = SLOT_HEAD + MAX_WORDS
+        self._abort_base = 2 * num_ranks * self._slot_words
         self._round = 0
+        # per rank: (pid, start time) where this process can watch it (`ended`), else None
+        self._processes = processes or [None] * num_ranks
 
     @staticmethod
     def file_bytes(num_ranks: int) -> int:
-        return 2 * num_ranks * (SLOT_HEAD + MAX_WORDS) * 8
+        return (2 * num_ranks * (SLOT_HEAD + MAX_WORDS) + num_ranks * ABORT_WORDS) * 8
 
     @classmethod
     def connect(cls, rank: int, num_ranks: int, gather: Callable[[str, torch.Tensor], torch.Tensor]) \
@@ -81,8 +94,13 @@ class HostHeaders:
                 token = 0
         mapping = None
         try:
-            first = gather("the shared header file's name", torch.tensor([[os.getpid(), token]] * num_ranks))
+            first = gather("the shared header file's name",
+                           torch.tensor([[os.getpid(), token, process_start(os.getpid()) or 0]] * num_ranks))
             owner_pid, token = int(first[0, 0]), int(first[0, 1])
+            # a peer's process is watched where this one sees it in /proc with the start time it sent (no other
+            # pid namespace, no reused pid)
+            processes = [(int(pid), int(start)) if start and process_start(int(pid)) == int(start) else None
+                         for pid, _, start in first.tolist()]
             try:
                 if token:
                     if rank != 0:
@@ -110,15 +128,17 @@ class HostHeaders:
             if mapping is not None:
                 mapping.close()
             return None
-        return cls(rank, num_ranks, mapping)
+        return cls(rank, num_ranks, mapping, processes)
 
     def fits(self, rows: torch.Tensor) -> bool:
         return rows.numel() <= MAX_WORDS
 
-    def exchange(self, op: str, what: str, rows: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    def exchange(self, op: str, what: str, rows: torch.Tensor, timeout_s: float,
+                 watch: Optional[Callable[[List[int]], None]] = None) -> torch.Tensor:
         """
         `Transport.exchange_headers` through the file: `rows` is `[num_ranks, width]` int64 (row p for rank p);
-        returns `[num_ranks, width]` int64, row q from rank q.
+        returns `[num_ranks, width]` int64, row q from rank q. ``watch(waiting)``, called while peers are missing
+        (``waiting``: their ranks), raises to end the wait early (a peer that aborted or ended).
 
         Raises:
             EPTimeoutError: a peer did not write its rows within `timeout_s` (the first such peer is named).
@@ -145,6 +165,8 @@ class HostHeaders:
                 if got is not None:
                     out[q] = got[self.rank * width:(self.rank + 1) * width]
                     waiting.remove(q)
+            if waiting and watch is not None:
+                watch(waiting)
             return not waiting
 
         if not poll_until(arrived, time.monotonic() + timeout_s):
@@ -174,6 +196,56 @@ class HostHeaders:
             raise EPError(f"{op}: rank {q} sent {sent} words of {what} where rank {self.rank} sent {words}; every "
                           f"rank must make the same Buffer calls in the same order")
         return payload
+
+
+    # -- aborts and ended processes ------------------------------------------------------------------------
+
+    def _entry(self, rank: int) -> int:
+        return self._abort_base + rank * ABORT_WORDS
+
+    def abort(self, code: int, cause: int, message: str) -> None:
+        """Write this rank's abort entry, once (later calls keep the first): ``code`` (the caller's measure of how
+        far this rank got, see `ReferenceTransport.abort`), ``cause`` (the rank whose error it is), ``message``."""
+        own = self._entry(self.rank)
+        if self._words[own]:
+            return
+        data = message.encode("utf-8", "replace")[:ABORT_MESSAGE_WORDS * 8]
+        padded = np.frombuffer(data.ljust(-(-len(data) // 8) * 8, b"\0"), dtype=np.int64)
+        self._words[own + ABORT_HEAD:own + ABORT_HEAD + padded.size] = padded
+        self._words[own + 1:own + ABORT_HEAD] = (code, cause, len(data))
+        self._words[own] = 1  # last: a reader that sees it sees the rest on x86 (stores in order); a host that
+        # reorders stores may show a peer the entry before its words, which costs the message, not the abort
+
+    def failure(self, rank: int) -> Optional[Tuple[int, int, str]]:
+        """Rank ``rank``'s abort entry ``(code, cause, message)``, or None if it has written none."""
+        entry = self._entry(rank)
+        if not self._words[entry]:
+            return None
+        code, cause, nbytes = (int(v) for v in self._words[entry + 1:entry + ABORT_HEAD])
+        nbytes = min(max(nbytes, 0), ABORT_MESSAGE_WORDS * 8)
+        data = self._words[entry + ABORT_HEAD:entry + ABORT_HEAD + -(-nbytes // 8)].tobytes()[:nbytes]
+        return code, cause, data.decode("utf-8", "replace")
+
+    def ended(self, rank: int) -> Optional[int]:
+        """The process id of rank ``rank`` if its process has ended (it can be watched: see `connect`), else None."""
+        process = self._processes[rank]
+        if process is None or rank == self.rank:
+            return None
+        pid, start = process
+        return pid if process_start(pid) != start else None
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``), or None where it is not running
+    (ended, a zombie its parent has not reaped yet, in another pid namespace, no ``/proc``). A pid and its start time
+    name one process: pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()  # from field 3, after the command's ")"
+        return None if fields[0] in (b"Z", b"X") else int(fields[19])  # state (field 3), start time (field 22)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _crc(payload: np.ndarray, n: int) -> int:

@@ -48,13 +48,15 @@ import triton
 import triton.language as tl
 
 from smsplit import ptx
+from smsplit.cuda_driver import StreamOps
 from smsplit.fp8 import e4m3_v2_words, e4m3_v4_words, quantize_e4m3_bf16_vector_pairs, quantize_e4m3_groups
 from smsplit.launch import FastLaunch
 from smsplit.trace import record_block
 
 from .layout import next_pow2 as _pow2
 from .layout import region_offsets, token_positions
-from .transport import EPError, EPTimeoutError, check_combine_weights, symmetric_buffer
+from .transport import (EPArgumentError, EPError, EPTimeoutError, check_combine_weights, symmetric_buffer,
+                        worst_tokens_error)
 
 SCALE_BLOCK = 128
 ALIGN = 256
@@ -1050,8 +1052,6 @@ class NvlinkTransport:
         self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         self._none_copied = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)  # dispatch rows: none
         if bulk == "copy_engine":
-            from .copy_engine import StreamOps  # (that module imports this one)
-
             self.ops = StreamOps(self.device)
             self.copy_stream = self.ops.new_stream()  # not a pooled stream: a caller's stream must never be it
             # the copy stream's waits for the peers' words run here, and the words' resets beside the copies
@@ -1082,12 +1082,12 @@ class NvlinkTransport:
         if self._status_words[0] == 0:
             return
         phase, peer, seen, expected = self.status.tolist()
-        if phase == 4:
-            raise ValueError(f"num_worst_tokens: rank {self.rank} receives {peer} tokens, more than "
-                             f"num_worst_tokens={seen}; the rows past it are not in the returned tensors")
+        if phase == 4:  # (a replayed graph's; an eager call's host checks the counts first: check_num_worst_tokens)
+            raise worst_tokens_error(self.rank, peer, seen, "; the rows past it are not in the returned tensors")
         if phase == 10:
-            raise ValueError(f"num_worst_tokens: rank {peer} received more tokens than its num_worst_tokens, so rank "
-                             f"{self.rank}'s combine misses the rows past it (rank {peer} raises the count)")
+            raise EPArgumentError("num_worst_tokens", f"num_worst_tokens: rank {peer} received more tokens than its "
+                                                      f"num_worst_tokens, so rank {self.rank}'s combine misses the rows "
+                                                      f"past it (rank {peer} raises the count)")
         what = WAITS.get(phase, "wait {phase}").format(peer=peer, phase=phase) + f" (saw {seen}, expected {expected})"
         raise EPTimeoutError.on_device(self.rank, peer, what, self.timeout_s)
 

@@ -6,19 +6,26 @@ Waits are bounded by `timeout_s`: gloo waits with a timeout, other backends poll
 timeout the group's connection to that peer may be closed (gloo closes it), so the transport refuses further use.
 The headers (the few int64 rows every `Buffer` call exchanges first) go through host shared memory where every rank
 is on this machine (`smsplit.ep.host_headers`; ``SMSPLIT_EP_HOST_HEADERS=0`` turns that off), else through the group.
+
+The same shared memory (set up either way, where the ranks share a machine) carries the aborts: `abort` tells the
+peers that this rank failed on its own, and every wait here watches the peers' entries (and, in the header exchange
+through shared memory, their processes) and raises `EPAbortError` at once. A wait on gloo blocks in C++; it runs on
+a thread of its own while this thread watches.
 """
 
 import datetime
+import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .host_headers import HostHeaders, enabled_by_environment
-from .layout import DispatchHandle
-from .transport import EPError, EPTimeoutError, Transport, all_gather_into_tensor, poll_until
+if TYPE_CHECKING:  # (annotations only: the layout module holds Triton kernels, which this one needs not)
+    from .layout import DispatchHandle
+from .transport import EPAbortError, EPError, EPTimeoutError, Transport, all_gather_into_tensor, poll_until
 
 
 @dataclass
@@ -41,6 +48,10 @@ def unpack_column(rows: torch.Tensor, start: int, width: int, like: torch.Tensor
     column = torch.empty(rows.size(0), width, dtype=torch.uint8, device=rows.device)
     column.copy_(rows[:, start:start + width])
     return column.view(like.dtype).view(rows.size(0), *like.shape[1:])
+
+
+WATCH_S = 0.02  # how often a wait on a thread of its own looks at the peers' abort entries
+ENDED_EVERY_S = 0.05  # how often a header wait looks for ended peer processes (a read of /proc per peer)
 
 
 def _inner_numel(field: torch.Tensor) -> int:
@@ -66,6 +77,9 @@ class ReferenceTransport(Transport):
         # Headers through host shared memory where every rank is on this machine (set up at the first exchange,
         # False where it cannot be), else through the group.
         self._host_headers = None if enabled_by_environment() else False
+        self._shared = None  # the shared file (headers and aborts; None until the first exchange, False: none)
+        self.header_rounds = 0  # header exchanges made (the measure of progress in abort entries)
+        self._ended_checked = 0.0
 
     # -- messaging ----------------------------------------------------------------------------------------------
 
@@ -73,20 +87,82 @@ class ReferenceTransport(Transport):
         if self.failure is not None:
             raise EPError(f"this buffer is unusable after an earlier failure ({self.failure}); make a new group and Buffer")
 
+    # -- aborts -------------------------------------------------------------------------------------------------
+
+    def abort(self, cause: int, error: str, inside_call: bool) -> None:
+        """
+        This rank failed on its own (``cause``: this rank, or the peer whose failure made it fail; ``error``: what
+        failed there): the transport is unusable from now on, and the peers' waits raise `EPAbortError` naming
+        ``cause`` and ``error`` once they wait for something this rank will not send. ``inside_call``: whether the
+        failing call had exchanged headers (it may have sent nothing since); else this rank finished every call
+        whose headers it exchanged. Without shared memory (ranks on other machines) only this rank knows.
+        """
+        if self.failure is None:
+            self.failure = error if cause == self.rank else f"rank {cause} failed: {error}"
+        if self._shared:
+            self._shared.abort(2 * self.header_rounds + (0 if inside_call else 1), cause, error)
+
+    def _watch(self, op: str, doing: str, waiting: Optional[List[int]] = None) -> None:
+        """Raise `EPAbortError` if a peer has aborted before finishing what this rank waits for now (its abort
+        code, see `abort`, at most this rank's progress), or (``waiting``: the peers a header exchange through
+        shared memory waits for) if one of those ended."""
+        shared = self._shared
+        for q in range(self.num_ranks):
+            failure = shared.failure(q) if q != self.rank else None
+            if failure is not None and failure[0] <= 2 * self.header_rounds:
+                _, cause, error = failure
+                self._fail_for(op, doing, q, cause, error)
+        if waiting and time.monotonic() - self._ended_checked > ENDED_EVERY_S:
+            self._ended_checked = time.monotonic()
+            for q in waiting:
+                pid = shared.ended(q)
+                if pid is not None:
+                    self._fail_for(op, doing, q, q, f"its process (pid {pid}) ended")
+
+    def _fail_for(self, op: str, doing: str, q: int, cause: int, error: str) -> None:
+        via = "" if q == cause else f" (rank {q} stopped for it)"
+        message = f"{op}: {doing}: rank {cause} failed{via}: {error}"
+        self.failure = message
+        raise EPAbortError(f"{message}; this buffer is unusable, make a new group and Buffer", cause, error)
+
+    def _wait_watched(self, wait, op: str, doing: str) -> None:
+        """``wait()`` (a blocking wait on gloo works) on a thread of its own while this one watches the peers'
+        aborts; its exception, if any, raised here. A wait left behind by an abort ends at its own deadline."""
+        if not self._shared:
+            wait()
+            return
+        done, raised = threading.Event(), []
+
+        def run():
+            try:
+                wait()
+            except BaseException as error:  # (handed to the caller's thread)
+                raised.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="smsplit-ep-wait", daemon=True).start()
+        while not done.wait(WATCH_S):
+            self._watch(op, doing)
+        if raised:
+            raise raised[0]
+
     def _wait(self, work, op: str, phase: str, peer: int, deadline: float) -> None:
         remaining = deadline - time.monotonic()
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
             else:
-                if not poll_until(work.is_completed, deadline):
+                watched = ((lambda: self._watch(op, f"{phase} rank {peer}") or work.is_completed()) if self._shared
+                           else work.is_completed)
+                if not poll_until(watched, deadline):
                     raise TimeoutError
                 work.wait()
         except (RuntimeError, TimeoutError) as error:
             message = f"{op}: {phase} rank {peer}"
             timed_out = isinstance(error, TimeoutError) or "timed out" in str(error).lower() \
                 or time.monotonic() >= deadline
-            self.failure = message
+            self.failure = self.failure or message  # (a wait left behind by an abort ends later: the abort's kept)
             if timed_out:
                 raise EPTimeoutError(f"{message} (no answer within timeout_s={self.timeout_s:g})", peer, message) \
                     from None
@@ -121,10 +197,17 @@ class ReferenceTransport(Transport):
         if len(works) == len(ops):
             # Receives first: a peer that never arrives is named by the first receive that times out.
             order = sorted(range(len(ops)), key=lambda i: (kinds[i][0] != "recv", kinds[i][1]))
-            for i in order:
-                kind, peer = kinds[i]
-                phase = f"waiting for {what} from" if kind == "recv" else f"waiting to deliver {what} to"
-                self._wait(works[i], op, phase, peer, deadline)
+
+            def wait_all():
+                for i in order:
+                    kind, peer = kinds[i]
+                    phase = f"waiting for {what} from" if kind == "recv" else f"waiting to deliver {what} to"
+                    self._wait(works[i], op, phase, peer, deadline)
+
+            if self.backend == "gloo":
+                self._wait_watched(wait_all, op, f"waiting for {what}")
+            else:
+                wait_all()
         else:  # a coalesced backend (NCCL) returns one work for the whole batch
             for work in works:
                 self._wait_any(work, op, what, sorted({peer for _, peer in kinds}), deadline)
@@ -138,14 +221,20 @@ class ReferenceTransport(Transport):
 
     def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
         self._check_usable()
-        if self._host_headers is None:  # the first exchange, made by every rank: set up the shared file
-            self._host_headers = HostHeaders.connect(
+        if self._shared is None:  # the first exchange, made by every rank: set up the shared file
+            self._shared = HostHeaders.connect(
                 self.rank, self.num_ranks, lambda w, r: self._group_headers(op, w, r)) or False
+            if self._host_headers is None:
+                self._host_headers = self._shared
+        self.header_rounds += 1
         if self._host_headers and self._host_headers.fits(rows):
             try:
-                return self._host_headers.exchange(op, what, rows.cpu(), self.timeout_s)
+                return self._host_headers.exchange(op, what, rows.cpu(), self.timeout_s,
+                                                   lambda waiting: self._watch(op, f"waiting for {what}", waiting))
             except EPTimeoutError as error:
                 self.failure = error.phase
+                raise
+            except EPAbortError:
                 raise
             except EPError:
                 self.failure = "ranks out of step"
@@ -167,7 +256,7 @@ class ReferenceTransport(Transport):
         than a batch of point-to-point messages), on a stream of its own (``cuStreamCreate``), so that it waits
         for no GPU work queued before it: a call's headers cross while the GPU still runs earlier work."""
         if self._header_stream is None:
-            from .copy_engine import StreamOps
+            from ..cuda_driver import StreamOps
 
             self._stream_ops = StreamOps(self.device)  # owns the stream: destroyed with it
             self._header_stream = self._stream_ops.new_stream()
@@ -181,7 +270,7 @@ class ReferenceTransport(Transport):
                 self._wait_any(work, op, what, peers, deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
 
-    def _layout(self, handle: DispatchHandle) -> ReferenceLayout:
+    def _layout(self, handle: "DispatchHandle") -> ReferenceLayout:
         """The handle's plan for this transport (`handle.transport_state`), made at its first use (a layout the
         NVLink kernels move never needs it)."""
         if not isinstance(handle.transport_state, ReferenceLayout):
@@ -196,7 +285,7 @@ class ReferenceTransport(Transport):
                 recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
         return handle.transport_state
 
-    def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
+    def dispatch(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor]) -> List[torch.Tensor]:
         layout = self._layout(handle)
         widths = [_inner_numel(f) * f.element_size() for f in fields]
         row_bytes = sum(widths)
@@ -214,7 +303,7 @@ class ReferenceTransport(Transport):
                 col += w
         return out
 
-    def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
+    def combine(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]]) \
             -> List[Optional[torch.Tensor]]:
         layout = self._layout(handle)
         present = [f for f in fields if f is not None]

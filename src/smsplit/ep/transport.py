@@ -16,11 +16,12 @@ for `backend="nvlink"`, keeping the reference transport for the host-side header
 import os
 import time
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import DispatchHandle
+if TYPE_CHECKING:  # (annotations only: the layout module holds Triton kernels, which this one needs not)
+    from .layout import DispatchHandle
 
 
 def symmetric_buffer(numel: int, dtype: torch.dtype, group, device: torch.device) -> Tuple[torch.Tensor, object]:
@@ -39,6 +40,24 @@ def symmetric_buffer(numel: int, dtype: torch.dtype, group, device: torch.device
 
 class EPError(RuntimeError):
     """Communication failed (a peer died, ranks called different operations). The buffer is unusable after it."""
+
+
+class EPAbortError(EPError):
+    """
+    A peer failed on its own: its `Buffer` call raised an error that the other ranks did not raise with it (say its
+    `get_dispatch_layout` rejected an expert id while this rank was in `dispatch`), or its process ended. Raised at
+    once by the waits for peers, instead of `EPTimeoutError` at `timeout_s`. The buffer is unusable after it.
+
+    Attributes:
+        peer: the rank that failed first (another rank that raised this error passes the same rank on).
+        error: what failed there, e.g. "get_dispatch_layout: EPArgumentError: topk_idx: expert ids must lie in
+            [-1, 8) (num_experts=8), got values in [0, 9]", or "its process (pid 4242) ended".
+    """
+
+    def __init__(self, message: str, peer: int, error: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.error = error
 
 
 class EPTimeoutError(TimeoutError):
@@ -75,6 +94,28 @@ class EPArgumentError(ValueError):
         self.argument = argument
 
 
+def worst_tokens_error(rank: int, received: int, num_worst_tokens: int, more: str = "") -> EPArgumentError:
+    """The error of a rank that receives more tokens than its `num_worst_tokens` (``more``: appended to the message)."""
+    return EPArgumentError("num_worst_tokens", f"num_worst_tokens: rank {rank} receives {received} tokens, more than "
+                                               f"num_worst_tokens={num_worst_tokens}{more}")
+
+
+def check_num_worst_tokens(received: Sequence[int], num_worst_tokens: Sequence[int]) -> None:
+    """
+    The rule of `num_worst_tokens` against the tokens each rank receives, checked on the host before any token
+    moves (by `Buffer` after its header exchange; by a device transport's layout when called without one): rank q's
+    ``received[q]`` must fit its ``num_worst_tokens[q]`` where that is positive (0: unpadded).
+
+    Raises:
+        EPArgumentError: naming `num_worst_tokens`, the first rank that receives too many, and the counts. (A
+            CUDA-graph replay cannot be checked on the host: its kernels record the same case, and the transport's
+            `raise_if_failed` raises this error, from `worst_tokens_error`.)
+    """
+    for rank, (got, worst) in enumerate(zip(received, num_worst_tokens)):
+        if 0 < worst < got:
+            raise worst_tokens_error(rank, got, worst)
+
+
 class Transport:
     """
     Moves bytes between the ranks of one process group.
@@ -109,7 +150,7 @@ class Transport:
         """
         raise NotImplementedError
 
-    def dispatch(self, op: str, handle: DispatchHandle, fields: List[torch.Tensor]) -> List[torch.Tensor]:
+    def dispatch(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor]) -> List[torch.Tensor]:
         """
         Arguments:
             op: the operation, for error messages.
@@ -122,7 +163,7 @@ class Transport:
         """
         raise NotImplementedError
 
-    def combine(self, op: str, handle: DispatchHandle, fields: List[Optional[torch.Tensor]]) \
+    def combine(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]]) \
             -> List[Optional[torch.Tensor]]:
         """
         Arguments:
