@@ -442,6 +442,7 @@ def case_all_gather_without_deprecation(rank, world_size):
     return out.view(world_size, 3)
 
 
+@pytest.mark.versioned
 def test_transports_all_gather_under_the_name_torch_keeps():
     gathered = gloo_pool(3).run(case_all_gather_without_deprecation)
     assert all(torch.equal(g, torch.arange(3) + 10 * torch.arange(3)[:, None]) for g in gathered)

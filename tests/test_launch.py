@@ -9,6 +9,8 @@ import triton.language as tl
 from smsplit import launch
 from smsplit.launch import FastLaunch
 
+pytestmark = pytest.mark.versioned  # (CI runs these under every supported torch and Triton)
+
 
 class FakeKernel:
     """What `FastLaunch` uses of a Triton `CompiledKernel`."""

@@ -687,6 +687,7 @@ class SavesItsOutput(torch.autograd.Function):
         return grad_y * y
 
 
+@pytest.mark.versioned
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_freeable_reads_what_autograd_holds_without_hooks(device):
     """What the pipeline frees once sent, read from reference counts right after a forward under no

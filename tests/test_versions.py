@@ -102,6 +102,8 @@ if fake.get("triton", "") is None:  # no Triton at all: importing it fails as on
                 raise ModuleNotFoundError("No module named 'triton'", name="triton")
     sys.meta_path.insert(0, NoTriton())
 import smsplit, smsplit.cli, smsplit.budget, smsplit.pipeline
+
+pytestmark = pytest.mark.versioned  # (CI runs these under every supported torch and Triton)
 print("imported", smsplit.__version__)
 """
 
