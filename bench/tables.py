@@ -404,62 +404,6 @@ def ep_figure(name="ep"):
     print(f"wrote {out}")
 
 
-def ep_figure(name="ep"):
-    """bench/figures/ep.png from bench/results/ep.json: time against comm SMs per transport, eager and replayed
-    from CUDA graphs, with NCCL all_to_all_single, the copy-engine ceiling and the EP issue's targets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    d = json.loads((RESULTS / f"{name}.json").read_text())
-    panels = [("dispatch_bf16", "dispatch BF16", "dispatch_bf16_cached_ms", 190),
-              ("dispatch_fp8", "dispatch FP8 (quantization included)", "dispatch_fp8_cached_ms", 110),
-              ("combine", "combine", "combine_ms", 200)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
-    for ax, (key, title, eager_key, target) in zip(axes, panels):
-        for transport in dict.fromkeys(r["transport"] for r in d["rows"]):
-            rows = [r for r in d["rows"] if r["transport"] == transport]
-            ax.plot([r["comm_sms"] for r in rows], [r[eager_key] * 1e3 for r in rows], "o--", label=f"{transport} (eager)")
-        graph_rows = d.get("graph_rows", [])
-
-        def variant(r):  # rows of the default chunks (by SM count) form one line
-            chunks = "default" if r.get("combine_chunks_by_sms") else tuple(r.get("combine_chunks") or ())
-            return r["transport"], r.get("copy_share"), chunks
-
-        variants = dict.fromkeys(variant(r) for r in graph_rows)
-        for transport, share, chunks in variants:
-            rows = [r for r in graph_rows if variant(r) == (transport, share, chunks)]
-            label = f"{transport} (graph, {'uncached' if share is None else f'copy share {share:g}'}"
-            if len({v[2] for v in variants if v[0] == transport}) > 1:
-                label += ", chunks " + (chunks if chunks == "default" else ",".join(f"{f:g}" for f in chunks))
-            label += ")"
-            ax.plot([r["comm_sms"] for r in rows], [r[f"{key}_graph_ms"] * 1e3 for r in rows], "s-", label=label)
-            if key == "dispatch_fp8" and all("dispatch_fp8_input_graph_ms" in r for r in rows):
-                ax.plot([r["comm_sms"] for r in rows], [r["dispatch_fp8_input_graph_ms"] * 1e3 for r in rows], "^:",
-                        color=ax.lines[-1].get_color(), label=f"{transport}: FP8 input, quantized before (graph)")
-        if key == "dispatch_bf16":
-            ax.axhline(d["nccl_all_to_all_ms"] * 1e3, color="gray", ls=":", label="NCCL all_to_all_single (all SMs)")
-            ax.axhline(d["copy_engine_ms"] * 1e3, color="black", ls=":", label="copy-engine peer copy (ceiling)")
-        ax.axhline(target, color="red", lw=0.8, label="EP issue's targets at <= 20 SMs" if key == "dispatch_bf16" else None)
-        ax.set_title(title)
-        ax.set_xlabel("comm SMs")
-        ax.set_xticks(sorted({r["comm_sms"] for r in d["rows"]}))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("us (slower rank's median)")
-    axes[0].set_ylim(0, 1000)
-    legend = {}  # every panel's lines, each label once
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"EP dispatch/combine, DeepSeek-V3 shape, 2x {d['env'].get('gpu')} ({d['env']['date'][:16]})")
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
-    out = Path(__file__).resolve().parent / "figures" / f"{name}.png"
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-
-
 # ------------------------------------------------------------------------------------------- eager Buffer calls
 
 EP_BUFFER_OPS = [("BF16 dispatch, cached layout", "dispatch_bf16_cached", "dispatch_bf16_cached", "dispatch_bf16"),
