@@ -11,6 +11,8 @@ import pytest
 
 from smsplit import versions
 
+pytestmark = pytest.mark.versioned  # (CI runs these under every supported torch and Triton)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -103,7 +105,6 @@ if fake.get("triton", "") is None:  # no Triton at all: importing it fails as on
     sys.meta_path.insert(0, NoTriton())
 import smsplit, smsplit.cli, smsplit.budget, smsplit.pipeline
 
-pytestmark = pytest.mark.versioned  # (CI runs these under every supported torch and Triton)
 print("imported", smsplit.__version__)
 """
 
