@@ -20,7 +20,6 @@ import os
 import queue
 import tempfile
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline_harness import TIMEOUT, Scenarios, count_freed, expect_error, stage_ids
 from smsplit.launch import free_port
 from smsplit.pipeline import (
     DualPipe,
@@ -41,7 +41,6 @@ from smsplit.pipeline import (
     sum_stage_copies,
 )
 
-TIMEOUT = timedelta(seconds=60)
 WIDTHS = (5, 7, 3, 6, 4, 8, 2, 6, 5)  # stage s maps WIDTHS[s] features to WIDTHS[s + 1]
 ROWS = 2  # rows per micro-batch
 
@@ -129,10 +128,6 @@ def mse(y, target):
     return ((y - target) ** 2).mean()
 
 
-def stage_ids(kind: str, world: int, rank: int) -> tuple[int, int]:
-    return (rank, world - 1 - rank) if kind == "dualpipe" else (rank, 2 * world - 1 - rank)
-
-
 def make_stages(kind: str, world: int, cls):
     n = world if kind == "dualpipe" else 2 * world
     torch.manual_seed(5)
@@ -177,20 +172,6 @@ def lane_args(kind: str, world: int, rank: int, lanes):
     if rank == world - 1:
         return (lanes[1][0],), (lanes[0][1],), 0
     return (), (), None
-
-
-def count_freed(pipe) -> dict:
-    """Counts the sent outputs whose storage the pipeline freed once sent, and those it kept."""
-    counts = {"freed": 0, "kept": 0}
-    release = pipe._release_output
-
-    def counting(key):
-        outputs = pipe._outputs[key]
-        release(key)
-        for t in outputs:
-            counts["freed" if t.numel() == 0 else "kept"] += 1
-    pipe._release_output = counting
-    return counts
 
 
 def train_against_reference(rank, world, kind, cls, steps=2):
@@ -255,14 +236,6 @@ def unused_parameter(rank, world):
             if name != "unused":
                 rec["grad_relerr"] = max(rec["grad_relerr"], float((p.grad - q.grad).norm() / q.grad.norm()))
     return rec
-
-
-def expect_error(fn) -> dict:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        return {"type": type(e).__name__, "message": str(e)}
-    return {"type": None, "message": ""}
 
 
 def declared_shapes(rank, world, kind, how):
@@ -511,7 +484,14 @@ def example_dualpipev(rank, pp_size, PipelineStage):
 # ----------------------------------------------------------------------------------------------
 # scenarios: name -> (world size, function(rank, world) -> dict of measurements)
 
-SCENARIOS: dict[str, tuple[int, callable]] = {}
+
+
+def _no_declared_shapes() -> None:
+    set_p2p_tensor_shapes(None)  # (module-wide, as in DeepSeek's: each scenario starts without)
+    set_p2p_tensor_dtype(None)
+
+
+SCENARIOS = Scenarios(__name__, before_each=_no_declared_shapes)
 for _world in (2, 4):
     for _kind in ("dualpipe", "dualpipev"):
         for _cls in (WidthStage, HookedWidthStage):
@@ -528,46 +508,6 @@ for _how in ("right", "shapes", "dtype", "ranks-differ"):
 SCENARIOS["declared-shapes-dualpipe-4"] = (4, lambda rank, world: declared_shapes(rank, world, "dualpipe", "shapes"))
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
-    results = {}
-    try:
-        for name, (w, fn) in SCENARIOS.items():
-            if w != world:
-                continue
-            set_p2p_tensor_shapes(None)  # (module-wide, as in DeepSeek's: each scenario starts without)
-            set_p2p_tensor_dtype(None)
-            try:
-                results[name] = {"ok": True, **fn(rank, world)}
-            except Exception:  # noqa: BLE001 - recorded, then asserted by the test
-                results[name] = {"ok": False, "traceback": traceback.format_exc()}
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a scenario left the group unusable; its record says why
-            pass
-        dist.destroy_process_group()
-
-
-_RESULTS: dict[int, list[dict]] = {}
-
-
-def records(name: str) -> list[dict]:
-    world = SCENARIOS[name][0]
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
-            _RESULTS[world] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
-    recs = [per_rank[name] for per_rank in _RESULTS[world]]
-    for r, rec in enumerate(recs):
-        assert rec["ok"], f"{name} failed on rank {r}:\n{rec.get('traceback')}"
-    return recs
-
-
 # ----------------------------------------------------------------------------------------------
 # tests
 
@@ -577,7 +517,7 @@ def test_functions_that_set_grad_themselves_get_every_gradient(name):
     """Stages whose autograd Function writes weight.grad through what it saved: no .grad is None (DualPipe:
     checked on each copy before they are summed), losses, outputs and gradients equal one process's (float64),
     and without the hook the pipeline still frees the sent outputs (autograd does not save them)."""
-    recs = records(name)
+    recs = SCENARIOS.records(name)
     assert sum(r["losses"] for r in recs) > 0
     for r, rec in enumerate(recs):
         assert rec["none"] == [], (name, r, rec["none"])
@@ -593,18 +533,18 @@ def test_functions_that_set_grad_themselves_get_every_gradient(name):
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("example-")])
 def test_deepseek_example_flow_runs_with_only_the_imports_changed(name):
     """The examples' own asserts (torch.equal losses and outputs, gradients within cal_diff < 1e-13) hold."""
-    for rec in records(name):
+    for rec in SCENARIOS.records(name):
         assert rec["worst_cal_diff"] < 1e-13, rec
 
 
 def test_sum_stage_copies_keeps_none_where_no_copy_has_a_gradient():
-    for rec in records("unused-parameter-dualpipe-2"):
+    for rec in SCENARIOS.records("unused-parameter-dualpipe-2"):
         assert rec["unused_none"] == [True, True] and rec["ref_unused_none"], rec
         assert rec["grad_relerr"] < 1e-10, rec
 
 
 def test_declared_shapes_that_match_pass():
-    for rec in records("declared-right-dualpipev-2"):
+    for rec in SCENARIOS.records("declared-right-dualpipev-2"):
         assert rec["type"] is None and rec["after"] == rec["expected_after"], rec
 
 
@@ -616,7 +556,7 @@ def test_declared_shapes_that_match_pass():
 def test_a_stream_that_differs_from_the_declaration_raises_on_every_rank(name, words, sender, sent):
     """Every rank raises a ValueError naming the stage and its rank (the sender says what it sent) after the
     step; once the declaration is taken back, the same pipelines run a step."""
-    recs = records(name)
+    recs = SCENARIOS.records(name)
     for r, rec in enumerate(recs):
         assert rec["type"] == "ValueError" and words in rec["message"], (r, rec)
         assert "declared with set_p2p_tensor_shapes" in rec["message"], rec
@@ -625,7 +565,7 @@ def test_a_stream_that_differs_from_the_declaration_raises_on_every_rank(name, w
 
 
 def test_ranks_that_declare_differently_raise_before_the_step():
-    for rec in records("declared-ranks-differ-dualpipev-2"):
+    for rec in SCENARIOS.records("declared-ranks-differ-dualpipev-2"):
         assert rec["type"] == "ValueError" and "declared different p2p tensor shapes" in rec["message"], rec
         assert rec["ops"] == 0, rec
 

@@ -10,26 +10,20 @@ Every blocking wait is bounded by the gloo timeout (60 s), so a bug fails instea
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from smsplit.launch import free_port
+from pipeline_harness import Scenarios, count_freed, expect_error, stage_ids
 from smsplit.pipeline import DualPipe, DualPipeV, Linear, WeightGradStore, schedule, sum_stage_copies
 
 DIM, ROWS = 6, 2  # features, rows per micro-batch
-TIMEOUT = timedelta(seconds=60)
 
 
 class Stage(nn.Module):
@@ -121,14 +115,8 @@ def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------
 # scenarios: name -> (world size, function(rank, world) -> dict of measurements)
 
-SCENARIOS: dict[str, tuple[int, callable]] = {}
-
-
-def scenario(name: str, world: int):
-    def register(fn):
-        SCENARIOS[name] = (world, fn)
-        return fn
-    return register
+SCENARIOS = Scenarios(__name__)
+scenario = SCENARIOS.add
 
 
 def make_stages(n: int, cls=Stage) -> list[nn.Module]:
@@ -165,10 +153,6 @@ def reference(stages, data, train: bool = True, rows=(ROWS, ROWS)):
     return out
 
 
-def stage_ids(kind: str, ranks: int, rank: int) -> tuple[int, int]:
-    return (rank, ranks - 1 - rank) if kind == "dualpipe" else (rank, 2 * ranks - 1 - rank)
-
-
 def build(kind: str, ranks: int, rank: int, cls=Stage, cls1=None, ref_cls=Stage, **pipe_kwargs):
     """The pipeline of this rank, and the reference stages (of type ref_cls) with the same weights."""
     n_stages = ranks if kind == "dualpipe" else 2 * ranks
@@ -179,20 +163,6 @@ def build(kind: str, ranks: int, rank: int, cls=Stage, cls1=None, ref_cls=Stage,
     m1.load_state_dict(stages[s1].state_dict())
     pipe = (DualPipe if kind == "dualpipe" else DualPipeV)((m0, m1), **pipe_kwargs)
     return pipe, stages, (s0, s1)
-
-
-def count_freed(pipe) -> dict:
-    """Counts, as the pipeline releases sent outputs, those whose storage it freed and those it kept."""
-    counts = {"freed": 0, "kept": 0}
-    release = pipe._release_output
-
-    def counting(key):
-        outputs = pipe._outputs[key]
-        release(key)
-        for t in outputs:
-            counts["freed" if t.numel() == 0 else "kept"] += 1
-    pipe._release_output = counting
-    return counts
 
 
 def step_args(kind: str, ranks: int, rank: int, data):
@@ -257,14 +227,6 @@ def forward_only_compare(kind, ranks, rank, chunks):
     else:
         assert loss is None and outputs is None
     return rec
-
-
-def expect_error(fn) -> dict:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        return {"type": type(e).__name__, "message": str(e), "phase": getattr(e, "phase", None)}
-    return {"type": None, "message": ""}
 
 
 for _kind, _ranks, _chunks in [("dualpipe", 2, 4), ("dualpipe", 2, 6), ("dualpipe", 4, 8),
@@ -534,52 +496,6 @@ scenario("err-outputs-uint32-dualpipe-2", 2)(lambda rank, world: _bad_outputs(ra
 
 
 # ----------------------------------------------------------------------------------------------
-# process management
-
-
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=TIMEOUT)
-    results = {}
-    try:
-        for name, (w, fn) in SCENARIOS.items():
-            if w != world:
-                continue
-            try:
-                results[name] = {"ok": True, **fn(rank, world)}
-            except Exception:  # noqa: BLE001 - recorded, then asserted by the test
-                results[name] = {"ok": False, "traceback": traceback.format_exc()}
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        try:  # leave together: a rank tearing gloo down while a peer still talks to it can abort the peer
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a scenario left the group unusable; its record says why
-            pass
-        dist.destroy_process_group()
-
-
-_RESULTS: dict[int, list[dict]] = {}
-
-
-def results_for(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
-            _RESULTS[world] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
-    return _RESULTS[world]
-
-
-def records(name: str) -> list[dict]:
-    world = SCENARIOS[name][0]
-    recs = [per_rank[name] for per_rank in results_for(world)]
-    for r, rec in enumerate(recs):
-        assert rec["ok"], f"{name} failed on rank {r}:\n{rec.get('traceback')}"
-    return recs
-
-
-# ----------------------------------------------------------------------------------------------
 # tests
 
 
@@ -587,7 +503,7 @@ def records(name: str) -> list[dict]:
 def test_training_matches_single_process(name):
     """Losses equal the reference; every held stage's gradient (DualPipe: both copies summed)
     equals the reference gradient, float64, 1 - cosine < 1e-12."""
-    recs = records(name)
+    recs = SCENARIOS.records(name)
     assert sum(r["losses_checked"] for r in recs) > 0
     for r, rec in enumerate(recs):
         assert rec["loss_err"] < 1e-12, (name, r, rec)
@@ -598,7 +514,7 @@ def test_training_matches_single_process(name):
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("fwd-")])
 def test_forward_only_outputs_match(name):
-    recs = records(name)
+    recs = SCENARIOS.records(name)
     assert sum(r["checked"] for r in recs) >= 1
     for rec in recs:
         assert rec["out_err"] < 1e-12 and rec["loss_err"] < 1e-12, (name, rec)
@@ -609,7 +525,7 @@ def test_forward_only_outputs_match(name):
 def test_overlap_hook_with_deferred_linear(name):
     """The hook runs for exactly the schedule's F&B ops, and with Linear's W deferral (split
     backwards run through WeightGradStore) gradients still match the reference."""
-    for rec in records(name):
+    for rec in SCENARIOS.records(name):
         assert rec["calls"] == rec["expected"] > 0, rec
         assert rec["loss_err"] < 1e-12 and rec["grad_1mcos"] < 1e-12, rec
         assert rec["grad_relerr"] < 1e-10, rec  # (cosine alone would pass a dW applied twice)
@@ -617,7 +533,7 @@ def test_overlap_hook_with_deferred_linear(name):
 
 
 def test_linear_defers_weight_grad_only_when_store_enabled():
-    (rec,) = records("linear-store-semantics")
+    (rec,) = SCENARIOS.records("linear-store-semantics")
     assert rec["deferred"], "with the store enabled, backward must leave dW to the store"
     assert not rec["grad_has_graph"], "a deferred dW must not carry an autograd graph"
     assert max(rec["dx_err"], rec["dw_err"], rec["db_err"], rec["immediate_dw_err"]) < 1e-12, rec
@@ -665,7 +581,7 @@ def test_linear_matches_nn_linear_under_autocast(deferred):
 ])
 def test_errors_say_what_to_change(name, error, words):
     """Raised on every rank before any communication (a hang would hit the gloo timeout)."""
-    for rec in records(name):
+    for rec in SCENARIOS.records(name):
         assert rec["type"] == error, rec
         for w in words:
             assert w in rec["message"], (w, rec["message"])
@@ -674,7 +590,7 @@ def test_errors_say_what_to_change(name, error, words):
 @pytest.mark.parametrize("name, words", [("err-ranks-disagree-chunks", "different num_chunks (from 4 to 6)"),
                                          ("err-ranks-disagree-mode", "some ranks train and some run forward only")])
 def test_ranks_that_disagree_all_raise_before_any_message(name, words):
-    for rec in records(name):
+    for rec in SCENARIOS.records(name):
         assert rec["type"] == "ValueError" and words in rec["message"], rec
 
 
@@ -683,7 +599,7 @@ def test_ranks_that_disagree_all_raise_before_any_message(name, words):
     ("err-empty-batch", "ValueError", "divisible into 4 micro-batches"),
     ("err-shapes-change", "ValueError", "call reset_shapes() on every rank first")])
 def test_bad_inputs_on_one_rank_stop_every_rank(name, error, words):
-    rank0, rank1 = records(name)
+    rank0, rank1 = SCENARIOS.records(name)
     assert rank0["type"] == error and words in rank0["message"], rank0
     assert rank1["type"] == "ValueError" and "rank 0 rejected its step arguments" in rank1["message"], rank1
     if name == "err-shapes-change":
@@ -692,13 +608,13 @@ def test_bad_inputs_on_one_rank_stop_every_rank(name, error, words):
 
 def test_ranks_without_inputs_fail_with_the_rank_that_has_them():
     """DualPipeV: only rank 0 sees the batch; rank 1 must not start communicating."""
-    rank0, rank1 = records("err-v-rows-2")
+    rank0, rank1 = SCENARIOS.records("err-v-rows-2")
     assert rank0["type"] == "ValueError" and "divisible into 5 micro-batches" in rank0["message"]
     assert rank1["type"] == "ValueError" and "rank 0 rejected its step arguments" in rank1["message"]
 
 
 def assert_matches_reference(name):
-    recs = records(name)
+    recs = SCENARIOS.records(name)
     assert sum(r["losses_checked"] for r in recs) > 0
     for r, rec in enumerate(recs):
         assert rec["loss_err"] < 1e-12 and rec["grad_1mcos"] < 1e-12 and rec["grad_relerr"] < 1e-10, (name, r, rec)
@@ -712,22 +628,22 @@ def test_sent_outputs_that_autograd_saved_are_not_freed(name):
     for rec in assert_matches_reference(name):
         assert rec["kept"] == rec["freed"] > 0, rec
     if "outer-hooks" in name:  # the caller's saved-tensor hooks keep packing inside the stages
-        assert sum(rec["packs"] for rec in records(name)) == records(name)[0]["ref_packs"] > 0
+        assert sum(rec["packs"] for rec in SCENARIOS.records(name)) == SCENARIOS.records(name)[0]["ref_packs"] > 0
 
 
 def test_sent_outputs_that_autograd_did_not_save_are_freed():
     """Stage's outputs (an add's and a multiplication by a number's) are saved by no op: every rank frees them."""
-    for rec in records("train-dualpipev-2-4") + records("train-dualpipe-4-8"):
+    for rec in SCENARIOS.records("train-dualpipev-2-4") + SCENARIOS.records("train-dualpipe-4-8"):
         assert rec["kept"] == 0 < rec["freed"], rec
 
 
 @pytest.mark.parametrize("kind", ["dualpipe", "dualpipev"])
 def test_numpy_num_chunks_trains_and_a_float_is_refused_on_every_rank(kind):
     assert_matches_reference(f"np-chunks-{kind}-2")
-    rank0, rank1 = records(f"err-float-chunks-{kind}-2")
+    rank0, rank1 = SCENARIOS.records(f"err-float-chunks-{kind}-2")
     assert rank0["type"] == "ValueError" and "num_chunks must be an int, got 4.0" in rank0["message"], rank0
     assert rank1["type"] == "ValueError" and "rank 0 rejected its step arguments" in rank1["message"], rank1
-    rank0, rank1 = records(f"err-huge-chunks-{kind}-2")
+    rank0, rank1 = SCENARIOS.records(f"err-huge-chunks-{kind}-2")
     assert rank1["type"] == "ValueError" and "num_chunks must be at most 2147483647" in rank1["message"], rank1
     assert rank0["type"] == "ValueError" and "rank 1 rejected its step arguments" in rank0["message"], rank0
 
@@ -744,7 +660,7 @@ def test_dualpipe_labels_are_checked_against_the_inputs_they_label(name):
     ("err-labels-size", "the labels on rank 0 split into micro-batches of 1 along batch_dim 0, but the inputs they "
                         "label, on rank 0, into micro-batches of 2; no rank started")])
 def test_labels_that_do_not_fit_their_inputs_stop_every_rank_before_any_op(name, words):
-    for rec in records(name):
+    for rec in SCENARIOS.records(name):
         assert rec["type"] == "ValueError" and words in rec["message"], rec
         assert rec.get("ops", 0) == 0, rec
 
@@ -754,13 +670,13 @@ def test_labels_that_do_not_fit_their_inputs_stop_every_rank_before_any_op(name,
     ("err-batch-dim-positive", "batch_dim 2 is out of range for input 0 of shape (8, 6)"),
     ("err-check-crashes", "rank 0 failed to check its step arguments: KeyError")])
 def test_a_check_that_fails_on_one_rank_stops_every_rank(name, words):
-    rank0, rank1 = records(name)
+    rank0, rank1 = SCENARIOS.records(name)
     assert rank0["type"] == "ValueError" and words in rank0["message"], rank0
     assert rank1["type"] == "ValueError" and "rank 0 rejected its step arguments" in rank1["message"], rank1
 
 
 def test_negative_batch_dim_splits_the_right_dimension():
-    (rank0, rank1) = records("batch-dim-last-dualpipev-2")
+    (rank0, rank1) = SCENARIOS.records("batch-dim-last-dualpipev-2")
     for rec in (rank0, rank1):
         assert rec["steps"] == 2 and rec["loss_err"] < 1e-12 and rec["grad_relerr"] < 1e-10, rec
 
@@ -773,7 +689,7 @@ def test_negative_batch_dim_splits_the_right_dimension():
 def test_outputs_that_cannot_be_sent_stop_sender_and_receiver_at_once(name, words):
     """The sender names the problem; the receiver, told by an abort header, names the sender at once instead of
     waiting for timeout_s (30 s). The same pipelines then run a valid step."""
-    rank0, rank1 = records(name)
+    rank0, rank1 = SCENARIOS.records(name)
     assert rank0["type"] == "ValueError" and words in rank0["message"], rank0
     assert "rank 0: stage 0's outputs for chunk 0 cannot be sent to pipeline rank 1: " in rank0["message"], rank0
     assert rank1["type"] == "PipelineError" and "pipeline rank 0 rejected the outputs of its stage 0" in \
