@@ -35,6 +35,7 @@ from smsplit.launch import free_port
 from smsplit.moe.model import ModelConfig, build_stages
 from smsplit.moe.overlap import COMM, PieceRunner, piece_of
 from smsplit.moe.router import update_biases
+from smsplit.nodes import node_layout
 from smsplit.timeouts import timeout_problem
 
 
@@ -60,6 +61,11 @@ class DemoConfig:
         progress: show rank 0's progress bar (or its periodic lines when the output is not a terminal).
         timeout_s: bound on every wait for a peer: the process groups' timeout (init, the EP and pipeline groups),
             the EP buffer's and the pipeline's waits.
+        ranks_per_node: treat each this many consecutive ranks of an EP group as one node (one machine pretending
+            to be several); None finds the nodes from the launcher or the host names (`smsplit.nodes.node_layout`:
+            the demo's processes all run on this machine, so one node). When the EP group spans several nodes the
+            routers limit each token to ``model.max_nodes_per_token`` of them (groups = nodes,
+            `smsplit.moe.router.node_limited_groups`); the summary records the layout and the groups used.
     """
 
     out_dir: str = "smsplit-report/moe"
@@ -75,6 +81,7 @@ class DemoConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     progress: bool = True
     timeout_s: float = 120.0
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "world_size", "pp", "chunks", "batch", "comm_sms"):
@@ -117,6 +124,19 @@ class DemoConfig:
         if cfg.n_experts % self.ep:
             raise ValueError(f"n_experts={cfg.n_experts} must divide evenly over the {self.ep} EP ranks "
                              f"(world_size={self.world_size} / pp={pp})")
+        rpn = self.ranks_per_node
+        if rpn is not None:
+            if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
+                raise ValueError(f"ranks_per_node must be None or an int >= 1, got {rpn!r}")
+            if self.ep % rpn:
+                raise ValueError(f"ranks_per_node={rpn} does not divide the EP group's {self.ep} ranks into whole "
+                                 f"nodes (world_size={self.world_size} / pp={pp})")
+            from smsplit.moe.router import node_limited_groups
+            from smsplit.nodes import NodeLayout
+
+            # the routing the ranks will derive, checked here so a bad M fails before any process starts
+            node_limited_groups(cfg.n_experts, cfg.topk, cfg.n_groups, cfg.topk_groups,
+                                NodeLayout(rpn, self.ep // rpn), cfg.max_nodes_per_token)
         if cfg.n_layers % (2 * pp):
             raise ValueError(f"n_layers={cfg.n_layers} must divide into 2 * pp = {2 * pp} stages (DualPipeV)")
 
@@ -204,7 +224,10 @@ def _train(rank: int, config: DemoConfig) -> None:
                                                  combine_dtype=torch.float32),
                      Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, backend=backend))
         buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=config.timeout_s)
-    m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=config.seed, runner=runner, buffer=buffer)
+    # the EP group's nodes decide the routing groups (node-limited routing across nodes); every rank agrees on them
+    nodes = node_layout(ep_group, config.ranks_per_node) if ep > 1 else None
+    m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=config.seed, runner=runner, buffer=buffer,
+                          nodes=nodes)
     m0.to(device), m1.to(device)
     params = list({id(p): p for m in (m0, m1) for p in m.parameters()}.values())
     expert_params = {id(p) for m in (m0, m1) for b in m.blocks for p in b.moe.experts.parameters()}
@@ -290,7 +313,11 @@ def _train(rank: int, config: DemoConfig) -> None:
         progress[0].stop()
 
     if is_reporter:
-        _report(config, losses, rates, exposed, op_times, trace_state, budget, wall)
+        router = routers[0] if routers else None
+        routing = dict(nodes=nodes.num_nodes if nodes else 1, ranks_per_node=nodes.ranks_per_node if nodes else ep,
+                       layout_source=nodes.source if nodes else "single EP rank",
+                       n_groups=router.n_groups if router else None, topk_groups=router.topk_groups if router else None)
+        _report(config, losses, rates, exposed, op_times, trace_state, budget, wall, routing)
     if budget is not None:
         budget.close()
 
@@ -344,7 +371,7 @@ def _progress(steps: int):
     return progress, task
 
 
-def _report(config: DemoConfig, losses, rates, exposed, op_times, trace_state, budget, wall):
+def _report(config: DemoConfig, losses, rates, exposed, op_times, trace_state, budget, wall, routing=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,7 +414,7 @@ def _report(config: DemoConfig, losses, rates, exposed, op_times, trace_state, b
     summary = dict(
         device=config.device, world=config.world_size, ep=ep, pp=pp, chunks=chunks, steps=len(losses),
         seed=config.seed, model=asdict(cfg), budget=repr(budget) if budget is not None else None,
-        ep_backend=config.ep_backend, first_losses=losses[:10], final_loss=losses[-1] if losses else None,
+        ep_backend=config.ep_backend, routing=routing, first_losses=losses[:10], final_loss=losses[-1] if losses else None,
         loss_fell=bool(losses and min(losses[-5:]) < losses[0]),
         tokens_per_s=sum(rates[-tail:]) / tail if rates else 0.0,
         exposed_comm_fraction=sum(exposed[-tail:]) / tail if exposed else 0.0,

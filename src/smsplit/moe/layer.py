@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smsplit.moe.router import Router
+from smsplit.moe.router import Router, node_limited_groups
 from smsplit.pipeline.weight_grad import Linear, WeightGradStore
 
 # Which implementation `grouped_mm` used, per (device type, dtype, "forward" / "weight"): "torch._grouped_mm"
@@ -195,7 +195,8 @@ class MoE(nn.Module):
 
     Args:
         dim, inter_dim: hidden size and each expert's intermediate size.
-        n_experts, topk, n_groups, topk_groups, route_scale: routing (see `Router`).
+        n_experts, topk, n_groups, topk_groups, route_scale: routing (see `Router`); across nodes the groups
+            are the nodes (see ``nodes``).
         n_shared: shared experts (one MLP of ``n_shared * inter_dim``).
         ep_rank, ep_size: this rank's place in the EP group; it holds experts
             ``[ep_rank * n_experts // ep_size, (ep_rank + 1) * n_experts // ep_size)``.
@@ -206,12 +207,18 @@ class MoE(nn.Module):
             keeps the activations' dtype.
         buffer: the `smsplit.ep.Buffer` over the EP group that moves the tokens; needed when ``ep_size > 1``
             (one buffer can serve every layer of a rank), unused when ``ep_size == 1``.
+        nodes: the `smsplit.nodes.NodeLayout` of the EP group (``nodes.group_size == ep_size``), or None (one
+            node). When it spans several nodes the router limits each token to ``max_nodes_per_token`` of them
+            (`smsplit.moe.router.node_limited_groups`: groups = nodes, DeepSeek-V3's node-limited routing).
+        max_nodes_per_token: M, the most nodes a token reaches when the EP group spans nodes (None: 4, or every
+            node when there are fewer); unused on one node.
     """
 
     def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, n_groups: int = 1,
                  topk_groups: int = 1, n_shared: int = 1, route_scale: float = 1.0, ep_rank: int = 0,
                  ep_size: int = 1, fp8_dispatch: bool = True, expert_alignment: int = 1,
-                 combine_dtype: torch.dtype | None = torch.bfloat16, buffer=None):
+                 combine_dtype: torch.dtype | None = torch.bfloat16, buffer=None, nodes=None,
+                 max_nodes_per_token: int | None = None):
         super().__init__()
         for name, value in (("ep_size", ep_size), ("expert_alignment", expert_alignment), ("inter_dim", inter_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -225,6 +232,12 @@ class MoE(nn.Module):
                              f"of 128 (or fp8_dispatch=False)")
         if n_experts % ep_size:
             raise ValueError(f"n_experts={n_experts} must divide evenly over ep_size={ep_size} ranks")
+        if nodes is not None and nodes.group_size != ep_size:
+            raise ValueError(f"nodes: a layout of {nodes.group_size} ranks ({nodes.num_nodes} nodes of "
+                             f"{nodes.ranks_per_node}) for an EP group of ep_size={ep_size}")
+        n_groups, topk_groups = node_limited_groups(n_experts, topk, n_groups, topk_groups, nodes,
+                                                    max_nodes_per_token)
+        self.nodes = nodes
         self.n_experts, self.ep_rank, self.ep_size = n_experts, ep_rank, ep_size
         self.n_local_experts = n_experts // ep_size
         self.fp8_dispatch, self.expert_alignment, self.combine_dtype = fp8_dispatch, expert_alignment, combine_dtype

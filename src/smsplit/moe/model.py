@@ -28,7 +28,10 @@ class ModelConfig:
     ``2 * pp`` stages), attention heads, and each MoE block's ``n_experts`` routed experts of width ``inter_dim``
     (``topk`` per token, chosen within ``topk_groups`` of ``n_groups`` groups, weights scaled by ``route_scale``)
     beside ``n_shared`` shared experts; ``seq_len`` tokens per sequence; ``fp8_dispatch``: tokens cross ranks in
-    FP8 e4m3; ``rope_theta``: RoPE's base. Bad values raise ValueError when the config is made."""
+    FP8 e4m3; ``rope_theta``: RoPE's base; ``max_nodes_per_token``: when the EP group spans several nodes, the
+    groups are the nodes and a token reaches at most this many of them (None: DeepSeek-V3's 4, or every node when
+    there are fewer; see `smsplit.moe.router.node_limited_groups`), and ``n_groups`` / ``topk_groups`` apply on one
+    node only. Bad values raise ValueError when the config is made."""
 
     vocab_size: int = 64
     dim: int = 128
@@ -44,6 +47,7 @@ class ModelConfig:
     seq_len: int = 32
     fp8_dispatch: bool = True
     rope_theta: float = 10000.0
+    max_nodes_per_token: int | None = None
 
     def __post_init__(self) -> None:
         """Reject a model that cannot be built or would train on NaN (``rope_theta <= 0``), before any process
@@ -68,6 +72,9 @@ class ModelConfig:
             raise ValueError(f"dim={self.dim}: FP8 dispatch quantizes in tiles of 128 values, so dim must be a "
                              f"multiple of 128 (or fp8_dispatch=False)")
         _check_groups(self.n_experts, self.topk, self.n_groups, self.topk_groups)
+        m = self.max_nodes_per_token
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_nodes_per_token must be None or an int >= 1, got {m!r}")
 
 
 class RMSNorm(nn.Module):
@@ -109,12 +116,13 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm attention and MoE, each with a residual; forward in four pieces."""
 
-    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, buffer=None):
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, buffer=None, nodes=None):
         super().__init__()
         self.attn_norm, self.moe_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.rope_theta)
         self.moe = MoE(cfg.dim, cfg.inter_dim, cfg.n_experts, cfg.topk, cfg.n_groups, cfg.topk_groups,
-                       cfg.n_shared, cfg.route_scale, ep_rank, ep_size, cfg.fp8_dispatch, buffer=buffer)
+                       cfg.n_shared, cfg.route_scale, ep_rank, ep_size, cfg.fp8_dispatch, buffer=buffer, nodes=nodes,
+                       max_nodes_per_token=cfg.max_nodes_per_token)
 
     def attention(self, h):
         h = h + self.attn(self.attn_norm(h))
@@ -165,15 +173,17 @@ class Stage(nn.Module):
             the current stream, unrecorded).
         buffer: the `smsplit.ep.Buffer` over the EP group, for every block's MoE layer (needed when
             ``ep_size > 1``).
+        nodes: the `smsplit.nodes.NodeLayout` of the EP group, or None (one node): across nodes every block's
+            router limits tokens to ``cfg.max_nodes_per_token`` nodes (see `MoE`).
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids, first: bool = False, last: bool = False,
                  embedding: nn.Embedding | None = None, ep_rank: int = 0, ep_size: int = 1,
-                 seed: int | None = 0, runner: PieceRunner | None = None, buffer=None):
+                 seed: int | None = 0, runner: PieceRunner | None = None, buffer=None, nodes=None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.layer_ids = list(layer_ids)
-        self.blocks = nn.ModuleList(Block(cfg, ep_rank, ep_size, buffer) for _ in self.layer_ids)
+        self.blocks = nn.ModuleList(Block(cfg, ep_rank, ep_size, buffer, nodes) for _ in self.layer_ids)
         if (first or last) and embedding is None:
             embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
             if seed is not None:
@@ -227,10 +237,11 @@ def _init_block_(block: Block, seed: int) -> None:
 
 
 def build_stages(cfg: ModelConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
-                 seed: int = 0, runner: PieceRunner | None = None, buffer=None) -> tuple[Stage, Stage]:
+                 seed: int = 0, runner: PieceRunner | None = None, buffer=None,
+                 nodes=None) -> tuple[Stage, Stage]:
     """DualPipeV's two modules of pipeline rank ``pp_rank``: stage ``pp_rank`` and stage
-    ``2 * pp_size - 1 - pp_rank`` of ``2 * pp_size`` stages of ``cfg.n_layers`` layers, both with ``runner``
-    and ``buffer`` (see `Stage`)."""
+    ``2 * pp_size - 1 - pp_rank`` of ``2 * pp_size`` stages of ``cfg.n_layers`` layers, both with ``runner``,
+    ``buffer`` and ``nodes`` (see `Stage`)."""
     for name, value in (("pp_size", pp_size), ("pp_rank", pp_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "pp_size" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'pp_size' else 0}, got {value!r}")
@@ -242,7 +253,7 @@ def build_stages(cfg: ModelConfig, pp_rank: int = 0, pp_size: int = 1, ep_rank: 
     per = cfg.n_layers // n_stages
     s0, s1 = pp_rank, n_stages - 1 - pp_rank
     m0 = Stage(cfg, range(s0 * per, (s0 + 1) * per), first=s0 == 0, ep_rank=ep_rank, ep_size=ep_size, seed=seed,
-               runner=runner, buffer=buffer)
+               runner=runner, buffer=buffer, nodes=nodes)
     m1 = Stage(cfg, range(s1 * per, (s1 + 1) * per), last=s1 == n_stages - 1, embedding=m0.embedding,
-               ep_rank=ep_rank, ep_size=ep_size, seed=seed, runner=runner, buffer=buffer)
+               ep_rank=ep_rank, ep_size=ep_size, seed=seed, runner=runner, buffer=buffer, nodes=nodes)
     return m0, m1

@@ -4,6 +4,11 @@ Experts are split into ``n_groups`` equal groups (in DeepSeek-V3 a group is the 
 limiting the groups limits the nodes a token is sent to). A token first picks ``topk_groups`` groups by the
 sum of the two highest scores in each group, then its ``topk`` experts among those groups only.
 
+Across nodes the groups are the nodes (`node_limited_groups`): with expert parallelism over several nodes and
+experts laid out contiguously over the ranks (rank ``r`` holds experts ``[r * E / ranks, (r + 1) * E / ranks)``,
+so node ``n`` holds the ``n``-th contiguous ``E / nodes`` of them), ``n_groups`` = the number of nodes and
+``topk_groups`` = M, the most nodes a token may reach: DeepSeek-V3's node-limited routing (M = 4, section 2.1.2).
+
 Load balancing adds a per-expert ``bias`` to the scores *for selection only*: the weights of the selected
 experts are their unbiased scores, normalised to sum to one and multiplied by ``route_scale``. After each
 step ``update_bias`` lowers the bias of overloaded experts and raises it for underloaded ones by
@@ -58,6 +63,44 @@ def _check_groups(n_experts: int, topk: int, n_groups: int, topk_groups: int) ->
     if topk > topk_groups * (n_experts // n_groups):
         raise ValueError(f"topk={topk} experts do not fit in topk_groups={topk_groups} groups of "
                          f"{n_experts // n_groups}")
+
+
+# DeepSeek-V3 sends each token to at most 4 nodes (section 2.1.2, "Node-Limited Routing")
+DEFAULT_MAX_NODES_PER_TOKEN = 4
+
+
+def node_limited_groups(n_experts: int, topk: int, n_groups: int, topk_groups: int, nodes=None,
+                        max_nodes_per_token: int | None = None) -> tuple[int, int]:
+    """The ``(n_groups, topk_groups)`` a router uses when its experts are spread over ``nodes`` (a
+    `smsplit.nodes.NodeLayout` of the EP group, experts laid out contiguously over its ranks).
+
+    - No layout, or one node: ``(n_groups, topk_groups)`` unchanged (the configured groups; the routing of one
+      machine does not change).
+    - Several nodes: ``(num_nodes, M)``, groups = nodes, so a token reaches at most M nodes. M is
+      ``max_nodes_per_token``; None means DeepSeek-V3's 4, or every node when there are fewer. The configured
+      ``n_groups`` / ``topk_groups`` are not used then: finer groups would not bound the nodes a token reaches.
+
+    ValueError for an M that cannot work (not an int >= 1, more than the nodes), experts that do not split over
+    the nodes, or ``topk`` experts that do not fit in M nodes' experts."""
+    _check_groups(n_experts, topk, n_groups, topk_groups)
+    if max_nodes_per_token is not None:
+        _check_int("max_nodes_per_token", max_nodes_per_token, 1)
+    if nodes is None or nodes.num_nodes == 1:
+        return n_groups, topk_groups
+    num_nodes = nodes.num_nodes
+    if max_nodes_per_token is None:
+        m = min(DEFAULT_MAX_NODES_PER_TOKEN, num_nodes)
+    elif max_nodes_per_token > num_nodes:
+        raise ValueError(f"max_nodes_per_token={max_nodes_per_token} is more than the {num_nodes} nodes of the EP "
+                         f"group ({nodes.ranks_per_node} ranks per node)")
+    else:
+        m = int(max_nodes_per_token)
+    if n_experts % num_nodes:
+        raise ValueError(f"n_experts={n_experts} must divide evenly over the {num_nodes} nodes")
+    if topk > m * (n_experts // num_nodes):
+        raise ValueError(f"topk={topk} experts do not fit in max_nodes_per_token={m} nodes of "
+                         f"{n_experts // num_nodes} experts each")
+    return num_nodes, m
 
 
 class Router(nn.Module):
