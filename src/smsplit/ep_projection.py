@@ -66,7 +66,7 @@ NVLINK_EFFICIENCY = Constant(
     369.39 / 450, "achieved / per-direction line rate",
     "measured on an H200 pair (NV18): copy-engine peer copy of 58.4 MB at 369.4 GB/s (bench/results/ep.json "
     "copy_engine_gbps, `python3 bench/ep.py --comm-sms 8 16 20 24 32 ...`, 2026-12-01; BENCHMARKS.md 'copy-engine "
-    "peer copy (ceiling)'; DESIGN.md's earlier run: 353-358 GB/s), over the H200's 450 GB/s a direction")
+    "peer copy (ceiling)'; an earlier run on the same machine: 353-358 GB/s), over the H200's 450 GB/s a direction")
 SM_PUSH_OVER_NVLINK = Constant(
     {8: 216.15, 16: 240.55, 20: 262.73, 24: 262.65, 32: 269.59}, "GB/s by SM count",
     "measured on an H200 pair: `smsplit.copy.sm_copy` writing 58.4 MB into the peer's memory, one persistent "
