@@ -66,6 +66,19 @@ def test_a_combine_is_bf16_and_always_reads_every_received_row():
                                                        "local copies": 50 * 512}  # sums read every row
 
 
+def test_measured_leg_rates_replace_the_models():
+    p = P.project("dispatch", _traffic(), "H800", P.DEEPEP_V1, tokens=1000, hidden=7168,
+                  rates={"network": 40.0, "nvlink": 100.0})
+    legs = {leg.name: leg for leg in p.legs}
+    assert legs["network"].rate_gbps == 40.0 and legs["nvlink"].rate_gbps == 100.0
+    assert legs["local copies"].rate_gbps == pytest.approx((493.98 / 2 + 927.49 / 2) / 2)
+    assert p.time_us == pytest.approx(max(7.392e6 / 40.0, 14.784e6 / 100.0, 36.96e6 / 355.3675) / 1e3)
+    with pytest.raises(ValueError, match="unknown legs"):
+        P.project("dispatch", _traffic(), "H800", P.DEEPEP_V1, rates={"pcie": 10.0})
+    with pytest.raises(ValueError, match="rates must be numbers > 0"):
+        P.project("dispatch", _traffic(), "H800", P.DEEPEP_V1, rates={"network": 0})
+
+
 def test_the_copy_engine_forward_uses_the_link_rate_and_no_sm():
     rates = P.leg_rates("H200", P.Design("ce", 0, 12, "copy_engine"))
     assert rates["nvlink"] == pytest.approx(369.39)

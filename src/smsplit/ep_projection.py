@@ -249,13 +249,19 @@ def leg_rates(gpu: str, design: Design) -> dict:
 
 
 def project(op: str, traffic: Traffic, gpu: str, design: Design, tokens: int = 4096, hidden: int = 7168,
-            fp8: bool | None = None) -> Projection:
+            fp8: bool | None = None, rates: dict | None = None) -> Projection:
     """The projected ``op`` ("dispatch" or "combine") of ``tokens`` tokens a GPU. ``fp8`` None: FP8 dispatch and
-    BF16 combine (DeepSeek-V3's and DeepEP's setting)."""
+    BF16 combine (DeepSeek-V3's and DeepEP's setting). ``rates`` (GB/s by leg: "network", "nvlink",
+    "local copies") replaces `leg_rates`' for the legs it names: a benchmark's measured leg rates, for example."""
     if op not in ("dispatch", "combine"):
         raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
     row = token_bytes(hidden, fp8=(op == "dispatch") if fp8 is None else fp8)
-    rates = leg_rates(gpu, design)
+    given = dict(rates or {})
+    if unknown := sorted(set(given) - {"network", "nvlink", "local copies"}):
+        raise ValueError(f"rates: unknown legs {unknown}; the legs are 'network', 'nvlink', 'local copies'")
+    if any(not (isinstance(v, (int, float)) and v > 0) for v in given.values()):
+        raise ValueError(f"rates must be numbers > 0 (GB/s), got {given}")
+    rates = {**leg_rates(gpu, design), **given}
     local_rows = traffic.node_pairs + (traffic.received if design.copy_out or op == "combine" else 0.0)
     legs = (Leg("network", tokens * traffic.crossings * row, rates["network"]),
             Leg("nvlink", tokens * traffic.forwarded * row, rates["nvlink"]),
