@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from ep_harness import spawn  # (torch.multiprocessing.spawn from a fork server: ep_harness.py)
 from smsplit.launch import free_port
 from smsplit.pipeline import DualPipe, DualPipeV, Linear, WeightGradStore, schedule, sum_stage_copies
 
@@ -566,7 +566,7 @@ _RESULTS: dict[int, list[dict]] = {}
 def results_for(world: int) -> list[dict]:
     if world not in _RESULTS:
         with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
+            spawn(_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
             _RESULTS[world] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
     return _RESULTS[world]
 
