@@ -1,10 +1,10 @@
 """The scripts under examples/ run as their docstrings say and their own checks pass (and can fail).
 
-A script's whole path runs where it differs between runs: as a program under torchrun (`__main__`, the ranks of
-torchrun's environment), and once per script from its `main()` through its own processes to the exit status of a
-failed check. Checks of its ranks' work with other options run its `main_rank` on the ranks of a process pool
-(tests/ep_harness.py), with the options its own parser made of the arguments: that is what a started rank runs, without
-starting interpreters (most of a run's CPU time). Bad options are refused by `main()` in this process.
+A script's whole path runs as a program under torchrun (`__main__`, the ranks of torchrun's environment), and from
+its `main()`, through the processes it starts, to the exit status of a failed check. The checks of its ranks' work
+with other options run its `main_rank` on the ranks of a process pool (tests/ep_harness.py) with the options its own
+parser made of the arguments: what a started rank runs, without starting interpreters (most of a run's CPU time).
+Bad options are refused by `main()` in this process.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ep_harness import gloo_pool
+from ep_harness import gloo_pool, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -81,18 +81,19 @@ def run_ranks(name: str, args, monkeypatch):
     return [ok for ok, _ in results], "".join(text for _, text in results), world
 
 
-def run_main(name: str, args, monkeypatch, capfd):
-    """The script's `main()` in this process, starting its own ranks: (its exit status, what the ranks printed)."""
+def exit_status(name: str, args, monkeypatch) -> int:
+    """The exit status of the script's `main()` run in this process, which starts its ranks (their processes from
+    ep_harness's fork server, as `mp.spawn` would start them but without importing torch in each)."""
     module = example(name)
+    monkeypatch.setattr(module.mp, "spawn", spawn)
     monkeypatch.setattr(sys, "argv", [name, *args])
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     try:
         module.main()
-        status = 0
     except SystemExit as done:  # (a message: status 1 when run as a program)
-        status = done.code if isinstance(done.code, int) else 1
-    return status, capfd.readouterr().out
+        return done.code if isinstance(done.code, int) else 1
+    return 0
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, ()), (4, ("--experts", "16", "--topk", "9"))])
@@ -109,12 +110,12 @@ def test_examples_run_under_torchrun(name):
     assert ok_ranks(done.stdout) == {0, 1}, done.stdout
 
 
-def test_ep_moe_layer_reports_a_mismatch(monkeypatch, capfd):
+def test_ep_moe_layer_reports_a_mismatch(monkeypatch):
     # bf16 rounding (of the expert outputs, the combine's sums) differs from the dense layer's fp32 by more than
-    # 1e-6: the script's check must say so and fail; from main() through its processes to its exit status
-    status, out = run_main("ep_moe_layer.py", ("--tolerance", "1e-6"), monkeypatch, capfd)
-    assert status != 0
-    assert "MISMATCH" in out and not ok_ranks(out), out
+    # 1e-6: the script's check must say so and fail
+    oks, out, _ = run_ranks("ep_moe_layer.py", ("--tolerance", "1e-6"), monkeypatch)
+    assert not any(oks) and "MISMATCH" in out and not ok_ranks(out), out
+    assert exit_status("ep_moe_layer.py", ("--tolerance", "1e-6"), monkeypatch) == 1
 
 
 @pytest.mark.parametrize("name, args, message", [
@@ -155,11 +156,11 @@ def test_dualpipev_example_matches_the_unpipelined_model(ranks, extra, monkeypat
     assert losses and all(abs(float(a) - float(b)) <= 1e-5 for a, b in losses), out
 
 
-def test_dualpipev_example_reports_a_mismatch(monkeypatch, capfd):
+def test_dualpipev_example_reports_a_mismatch(monkeypatch):
     # the exit path of the script's check: no difference is within a negative tolerance
-    status, out = run_main("dualpipev.py", ("--steps", "1", "--tolerance", "-1"), monkeypatch, capfd)
-    assert status != 0
-    assert "MISMATCH" in out and not ok_ranks(out), out
+    oks, out, _ = run_ranks("dualpipev.py", ("--steps", "1", "--tolerance", "-1"), monkeypatch)
+    assert not any(oks) and "MISMATCH" in out and not ok_ranks(out), out
+    assert exit_status("dualpipev.py", ("--steps", "1", "--tolerance", "-1"), monkeypatch) == 1
 
 
 @pytest.mark.gpu
