@@ -51,11 +51,11 @@ def parsed_options(name: str, args, monkeypatch):
     module = example(name)
     started = {}
 
-    def spawn(fn, args, nprocs, **kwargs):
+    def record(fn, args, nprocs, **kwargs):
         started.update(fn=fn, args=args, nprocs=nprocs)
         raise Started
 
-    monkeypatch.setattr(module.mp, "spawn", spawn)
+    monkeypatch.setattr(module.mp, "spawn", record)
     monkeypatch.setattr(sys, "argv", [name, *args])
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # (not started by torchrun)
         monkeypatch.delenv(variable, raising=False)
