@@ -12,6 +12,13 @@ leave the group's connections in an unknown state.
 Also `misaligned_copy(t)`: an input the device kernels cannot read in 16-byte vectors as it is; and
 `run_ranks_on_one_gpu(world_size, fn, *args)`: ranks of the device transports as processes sharing one GPU, for
 more ranks than there are GPUs.
+
+Every process the tests start for ranks comes from `context()`, a fork server that has imported torch and smsplit
+once (`spawn(fn, args, nprocs)` is `torch.multiprocessing.spawn` from it): a spawned interpreter spends 2-4 s of CPU
+importing them, which made process starts most of the CPU suite's time on a 2-core machine. As with "spawn" (and
+unlike "fork"), a child starts from a clean process, not a copy of the test process (no monkeypatches, threads or
+CUDA state of it); its environment is the server's, copied when the first test started one: a child that needs a
+variable sets it itself.
 """
 
 import atexit
@@ -25,6 +32,23 @@ import torch
 import torch.multiprocessing as mp
 
 from smsplit.launch import free_port
+
+# what the fork server imports before it forks (none of it initializes CUDA, so a child can still use a GPU)
+PRELOAD = ["torch", "torch.distributed", "numpy", "smsplit.ep", "smsplit.ep.nvlink", "smsplit.ep.copy_engine",
+           "smsplit.pipeline", "smsplit.moe", "smsplit.apps.demo"]
+
+
+def context():
+    """The multiprocessing context of the tests' rank processes: the fork server, with `PRELOAD` imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (read when the server starts: the first process of the session)
+    return ctx
+
+
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True):
+    """`torch.multiprocessing.spawn(fn, args, nprocs, join)`, the processes started from `context()`."""
+    context()
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
 
 
 def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +86,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, tasks, results)
 
 
 class ProcessPool:
-    """`world_size` spawned processes, the ranks of one process group (`backend`: "gloo" or "nccl") on 127.0.0.1."""
+    """`world_size` processes (from `context()`), the ranks of one process group (`backend`: "gloo" or "nccl") on
+    127.0.0.1."""
 
     def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
@@ -71,12 +96,12 @@ class ProcessPool:
         self._start()
 
     def _start(self) -> None:
-        context = mp.get_context("spawn")
+        ctx = context()
         port = free_port()
-        self.tasks = [context.SimpleQueue() for _ in range(self.world_size)]
-        self.results = context.Queue()
-        self.processes = [context.Process(target=_worker, args=(rank, self.world_size, self.backend, port,
-                                                                 self.tasks[rank], self.results), daemon=True)
+        self.tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self.results = ctx.Queue()
+        self.processes = [ctx.Process(target=_worker, args=(rank, self.world_size, self.backend, port,
+                                                             self.tasks[rank], self.results), daemon=True)
                           for rank in range(self.world_size)]
         for p in self.processes:
             p.start()
@@ -244,7 +269,7 @@ def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args, timeout_s: float 
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     inboxes = [ctx.Queue() for _ in range(world_size)]
     results = ctx.Queue()
     port = free_port()

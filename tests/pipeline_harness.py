@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ep_harness import spawn  # (torch.multiprocessing.spawn from a fork server: ep_harness.py)
 from smsplit.launch import free_port
 
 TIMEOUT = timedelta(seconds=60)  # a collective that a broken pipeline never joins fails the scenario, not the run
@@ -45,7 +45,7 @@ class Scenarios(Dict[str, Tuple[int, Callable]]):
         """Every rank's records of the scenarios of ``world`` ranks (run on first use)."""
         if world not in self._results:
             with tempfile.TemporaryDirectory() as outdir:
-                mp.spawn(_worker, args=(world, free_port(), outdir, self.module), nprocs=world, join=True)
+                spawn(_worker, args=(world, free_port(), outdir, self.module), nprocs=world, join=True)
                 self._results[world] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
         return self._results[world]
 

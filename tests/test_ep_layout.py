@@ -98,8 +98,10 @@ def test_token_positions_count_the_earlier_tokens_to_each_rank(device, num_token
         in_rank[:, 1] = False  # a rank that gets nothing
         in_rank[2] = True      # a token that goes everywhere
     pos, counts = token_positions(in_rank.to(device), with_counts=True)
-    want = [[sum(bool(in_rank[u, r]) for u in range(t)) if in_rank[t, r] else -1 for r in range(num_ranks)]
-            for t in range(num_tokens)]
+    want, earlier = [], [0] * num_ranks  # by a loop over the tokens: each rank's tokens so far
+    for row in in_rank.tolist():
+        want.append([earlier[r] if row[r] else -1 for r in range(num_ranks)])
+        earlier = [n + row[r] for r, n in enumerate(earlier)]
     assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (num_tokens, num_ranks)
     assert pos.tolist() == want
     assert counts.dtype == torch.int32 and counts.tolist() == in_rank.sum(0).tolist()

@@ -21,11 +21,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oracles import new_group_in_order
 from smsplit.ep import Buffer, EPAbortError, EPError, EPTimeoutError
-from ep_harness import gloo_pool
+from ep_harness import context, gloo_pool
 from smsplit.launch import free_port
 
 NUM_EXPERTS, HIDDEN, TOPK, TOKENS = 12, 256, 3, 5
@@ -110,11 +109,12 @@ def _exit_rank(rank, world_size, port, results, phase, lost, timeout_s):
 
 
 def run_with_exiting_peer(world_size, phase, lost, timeout_s, limit_s=90.0):
-    """`_exit_rank` on `world_size` spawned processes; the results of every rank but `lost`, by rank."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    """`_exit_rank` on `world_size` processes (from `ep_harness.context()`); the results of every rank but `lost`, by
+    rank."""
+    ctx = context()
+    results = ctx.Queue()
     port = free_port()
-    processes = [context.Process(target=_exit_rank, daemon=True,
+    processes = [ctx.Process(target=_exit_rank, daemon=True,
                                  args=(r, world_size, port, results, phase, lost, timeout_s))
                  for r in range(world_size)]
     for p in processes:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 LIBRARY = ["smsplit", "smsplit.budget", "smsplit.ep", "smsplit.pipeline", "smsplit.moe", "smsplit.launch",
            "smsplit.copy", "smsplit.fp8", "smsplit.autotune", "smsplit.trace", "smsplit.info", "smsplit.cli"]
@@ -30,11 +32,21 @@ def loaded_by_imports(modules: list) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_importing_the_library_loads_no_pictures_console_apps_or_test_harness():
-    assert loaded_by_imports(LIBRARY) == {name: [] for name in LIBRARY}
+# the check's own test: the apps import matplotlib and rich where they draw, not at import; these load them
+LOADING = {"smsplit.apps.demo": ["smsplit.apps"], "rich.console": ["rich"]}
 
 
-def test_the_check_sees_a_module_that_loads_them():
+@pytest.fixture(scope="module")
+def loaded():
+    """`loaded_by_imports` of the library, then of `LOADING`'s modules, in one interpreter (each import is judged by
+    what it adds to sys.modules: the library's, imported first, add nothing of `NOT_LOADED` to what follows)."""
+    return loaded_by_imports(LIBRARY + list(LOADING))
+
+
+def test_importing_the_library_loads_no_pictures_console_apps_or_test_harness(loaded):
+    assert {name: loaded[name] for name in LIBRARY} == {name: [] for name in LIBRARY}
+
+
+def test_the_check_sees_a_module_that_loads_them(loaded):
     """The apps import matplotlib and rich where they draw, not at import; the check sees a module that does."""
-    assert loaded_by_imports(["smsplit.apps.demo", "rich.console"]) == {"smsplit.apps.demo": ["smsplit.apps"],
-                                                                        "rich.console": ["rich"]}
+    assert {name: loaded[name] for name in LOADING} == LOADING

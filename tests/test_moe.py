@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ep_harness import spawn  # (torch.multiprocessing.spawn from a fork server: ep_harness.py)
 from smsplit.launch import free_port
 from smsplit.moe import ModelConfig, MoE, Router, build_stages, grouped_mm, group_limited_topk
 from smsplit.moe.layer import init_moe_
@@ -307,7 +307,7 @@ def _ep_worker(rank, world, port, out_dir):
 
 def test_moe_expert_parallel_two_ranks_matches_single_process(tmp_path):
     world = 2
-    mp.spawn(_ep_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn(_ep_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         exact = r[False]

@@ -2,11 +2,23 @@
 
 import json
 import math
+import types
 
+import pytest
+
+import smsplit.apps.demo as demo
+from ep_harness import spawn
 from smsplit.apps.demo import DemoConfig, run
 
 
-def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path):
+@pytest.fixture
+def demo_processes_from_the_fork_server(monkeypatch):
+    """The demo's ranks start from ep_harness's fork server (torch and smsplit imported there once) instead of new
+    interpreters: what they run is the same, and the demo on CPU sets no environment for them."""
+    monkeypatch.setattr(demo, "mp", types.SimpleNamespace(spawn=spawn))
+
+
+def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path, demo_processes_from_the_fork_server):
     summary = run(DemoConfig(str(tmp_path), steps=5, device="cpu", batch=8, chunks=2, progress=False, timeout_s=60))
     assert summary["device"] == "cpu" and summary["ep"] == 2 and summary["world"] == 2
     losses = summary["losses"]
@@ -46,13 +58,11 @@ def _stalling_worker(rank, world, port, opts, out_dir):
 
 
 def test_a_stalled_peer_ends_the_demo_within_timeout_s_naming_the_rank_and_phase(tmp_path):
-    import torch.multiprocessing as mp
-
     from smsplit.launch import free_port
 
     opts = DemoConfig(out_dir=str(tmp_path / "report"), steps=2, device="cpu", world_size=2, pp=1, chunks=2, batch=8,
                       seed=0, lr=3e-3, comm_sms=20, progress=False, timeout_s=5)
-    mp.spawn(_stalling_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
+    spawn(_stalling_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["error"] == "RuntimeError" and rank0["message"].startswith(
         "rank 0: step 0: summing the replicated gradients"), rank0
@@ -60,8 +70,6 @@ def test_a_stalled_peer_ends_the_demo_within_timeout_s_naming_the_rank_and_phase
 
 
 def test_bad_timeouts_are_refused_before_any_process_starts(tmp_path):
-    import pytest
-
     for bad in (0, -1, float("inf"), float("nan"), 1e15, True, "60"):
         with pytest.raises(ValueError, match="timeout_s"):
             run(DemoConfig(str(tmp_path), steps=1, device="cpu", progress=False, timeout_s=bad))
@@ -70,9 +78,6 @@ def test_bad_timeouts_are_refused_before_any_process_starts(tmp_path):
 def test_a_comm_sm_count_no_gpu_can_grant_is_refused_before_spawning(tmp_path, monkeypatch):
     """On GPUs the demo asks each for `SmBudget(comm_sms)` (grid mode where green contexts cannot grant it): a
     count that leaves no compute SM even in grid mode fails here, not in the spawned processes."""
-    import types
-
-    import pytest
     import torch
     import torch.multiprocessing as mp
 
@@ -87,7 +92,7 @@ def test_a_comm_sm_count_no_gpu_can_grant_is_refused_before_spawning(tmp_path, m
     assert not (tmp_path / "report").exists()
 
 
-def test_a_one_step_demo_times_its_ops(tmp_path):
+def test_a_one_step_demo_times_its_ops(tmp_path, demo_processes_from_the_fork_server):
     """The first step is left out of the op times (one-time set-up), except when it is the only one: the pipeline
     timeline is drawn from these times and says they were measured."""
     summary = run(DemoConfig(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60))
@@ -123,13 +128,11 @@ def _stalled_dispatch_worker(rank, world, port, opts, out_dir):
 def test_a_peer_stalled_inside_the_pipeline_step_is_named_with_the_rank_step_op_and_piece(tmp_path):
     """An EP wait inside `pipe.step` (a dispatch or combine piece) used to end the demo with the buffer's bare
     message ("dispatch: waiting for counts from rank 1 ..."): no rank, step, pipeline op or layer."""
-    import torch.multiprocessing as mp
-
     from smsplit.launch import free_port
 
     opts = DemoConfig(out_dir=str(tmp_path / "report"), steps=1, device="cpu", world_size=2, pp=1, chunks=2, batch=4,
                       seed=0, lr=3e-3, comm_sms=20, progress=False, timeout_s=5)
-    mp.spawn(_stalled_dispatch_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
+    spawn(_stalled_dispatch_worker, args=(2, free_port(), opts, tmp_path), nprocs=2, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["error"] == "RuntimeError", rank0
     message = rank0["message"]
@@ -140,7 +143,6 @@ def test_a_peer_stalled_inside_the_pipeline_step_is_named_with_the_rank_step_op_
 def test_model_overrides_and_an_infinite_lr_are_refused_before_spawning(tmp_path, monkeypatch):
     """These used to start the processes: an infinite lr trained on NaN from the second step, a bad route_scale
     failed inside every worker, an unknown field raised TypeError."""
-    import pytest
     import torch.multiprocessing as mp
 
     monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned processes"))

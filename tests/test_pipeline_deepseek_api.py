@@ -24,10 +24,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ep_harness import spawn  # (torch.multiprocessing.spawn from a fork server: ep_harness.py)
 from pipeline_harness import TIMEOUT, Scenarios, count_freed, expect_error, stage_ids
 from smsplit.launch import free_port
 from smsplit.pipeline import (
@@ -682,7 +682,7 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
 def test_deepseek_example_flow_on_gpus_with_nccl():
     world = 2
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_nccl_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
+        spawn(_nccl_worker, args=(world, free_port(), outdir), nprocs=world, join=True)
         recs = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(world)]
     assert len(recs[0]) == 4
     for r, per_rank in enumerate(recs):

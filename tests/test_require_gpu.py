@@ -1,16 +1,17 @@
-"""The ``--require-gpu`` switch of tests/conftest.py, in pytest sessions of their own (each with CUDA hidden, so
-they behave alike on a CPU machine and a GPU machine): without it GPU tests skip where CUDA is missing; with it
-(option or environment variable) they fail, as does CUDA that answers ``is_available()`` but cannot run a tensor
-operation, a GPU test that skips for any reason, and a multi-GPU test selected where there is one GPU."""
+"""The ``--require-gpu`` switch of tests/conftest.py, in pytest sessions of their own (each in a process of its own,
+with CUDA hidden, so they behave alike on a CPU machine and a GPU machine): without it GPU tests skip where CUDA is
+missing; with it (option or environment variable) they fail, as does CUDA that answers ``is_available()`` but cannot
+run a tensor operation, a GPU test that skips for any reason, and a multi-GPU test selected where there is one GPU."""
 
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ep_harness import context
 
 TESTS = Path(__file__).parent
 
@@ -51,7 +52,7 @@ def pytest_configure(config):
 '''
 
 
-# the sessions: pytest's arguments and environment; they run at once (each imports torch: seconds)
+# the sessions: pytest's arguments and environment; they run at once
 SESSIONS = {
     "plain": ((), {}),
     "switch": (("--require-gpu",), {}),
@@ -59,6 +60,22 @@ SESSIONS = {
     "one_gpu_deselected": (("--require-gpu", "-p", "one_gpu", "-m", "gpu and not multigpu"), {}),
     "one_gpu_all": (("--require-gpu", "-p", "one_gpu"), {}),
 }
+
+
+def _session(root: str, args: tuple, env: dict, output: str) -> None:
+    """A pytest session in `root`, in a process of its own (from ep_harness's fork server, where torch is imported
+    and CUDA is not initialized: it starts in seconds less than a new interpreter); exits with pytest's status."""
+    os.chdir(root)
+    os.environ.pop("SMSPLIT_REQUIRE_GPU", None)
+    os.environ.update(CUDA_VISIBLE_DEVICES="", **env)  # (before anything initializes CUDA here)
+    sys.path.insert(0, root)  # the plugins, as PYTHONPATH=root would
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    code = pytest.main(["-v", "-rA", "-p", "no:cacheprovider", *args, "test_sample.py"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +87,24 @@ def sessions(tmp_path_factory):
     (root / "broken_cuda.py").write_text(BROKEN_CUDA)
     (root / "one_gpu.py").write_text(ONE_GPU)
     (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: g\n    multigpu: m\n")
+    ctx = context()
     running = {}
     for name, (args, env) in SESSIONS.items():
-        environ = {k: v for k, v in os.environ.items() if k != "SMSPLIT_REQUIRE_GPU"}
-        environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(root), **env)
-        running[name] = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", *args, "test_sample.py"],
-            cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running[name] = ctx.Process(target=_session, args=(str(root), args, env, str(root / f"{name}.out")))
+        running[name].start()
     results = {}
     for name, process in running.items():
-        out, _ = process.communicate(timeout=300)
+        process.join(timeout=300)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        out = (root / f"{name}.out").read_text()
         outcomes = {}
         for line in out.splitlines():  # -v: "test_sample.py::test_gpu SKIPPED (reason) [ 50%]"
             m = re.match(r"test_sample.py::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)", line)
             if m:  # (a skip made at setup that the switch turns into a failure is reported as an error)
                 outcomes[m.group(1)] = "FAILED" if m.group(2) == "ERROR" else m.group(2)
-        results[name] = (process.returncode, outcomes, out)
+        results[name] = (process.exitcode, outcomes, out)
     return results
 
 
