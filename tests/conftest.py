@@ -85,3 +85,15 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"--require-gpu / {REQUIRE_GPU_ENV}=1: this GPU test would have skipped ({reason}); a GPU "
                            f"run must run every GPU test it selects")
+
+
+@pytest.fixture
+def demo_processes_from_the_fork_server(monkeypatch):
+    """The demo's ranks start from ep_harness's fork server (torch and smsplit imported there once) instead of new
+    interpreters: what they run is the same, and the demo on CPU sets no environment for them."""
+    import types
+
+    import smsplit.apps.demo as demo
+    from ep_harness import spawn
+
+    monkeypatch.setattr(demo, "mp", types.SimpleNamespace(spawn=spawn))

@@ -6,16 +6,8 @@ import types
 
 import pytest
 
-import smsplit.apps.demo as demo
 from ep_harness import spawn
 from smsplit.apps.demo import DemoConfig, run
-
-
-@pytest.fixture
-def demo_processes_from_the_fork_server(monkeypatch):
-    """The demo's ranks start from ep_harness's fork server (torch and smsplit imported there once) instead of new
-    interpreters: what they run is the same, and the demo on CPU sets no environment for them."""
-    monkeypatch.setattr(demo, "mp", types.SimpleNamespace(spawn=spawn))
 
 
 def test_demo_two_gloo_ranks_trains_and_writes_report(tmp_path, demo_processes_from_the_fork_server):

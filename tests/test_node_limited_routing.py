@@ -125,7 +125,8 @@ def test_the_demo_refuses_emulated_nodes_that_cannot_work_before_spawning(tmp_pa
         DemoConfig(str(tmp_path), world_size=2, device="cpu", ranks_per_node=0)
 
 
-def test_the_demo_on_two_emulated_nodes_routes_each_token_to_one_node(tmp_path):
+def test_the_demo_on_two_emulated_nodes_routes_each_token_to_one_node(tmp_path,
+                                                                    demo_processes_from_the_fork_server):
     from smsplit.apps.demo import DemoConfig, run
 
     summary = run(DemoConfig(str(tmp_path), steps=1, device="cpu", batch=4, chunks=2, progress=False, timeout_s=60,
