@@ -22,7 +22,7 @@ from .header import (FLAG_TOPK_WEIGHTS, H_DTYPE, H_FLAGS, H_HANDLE, H_HIDDEN, H_
                      OP_INIT, OP_NAMES, agree, agree_init, init_header, new_header, status_code)
 from .layout import DispatchHandle, align_up, compute_dispatch_layout
 from .reference import ReferenceTransport
-from .registry import DEVICE_BACKENDS  # noqa: F401  (the backends that need CUDA, for callers and tests)
+from .registry import BACKENDS, DEVICE_BACKENDS  # noqa: F401  (the backend names, for callers and tests)
 from .transport import (EPAbortError, EPArgumentError, EPError, EPTimeoutError, Environment, Move, Tokens,
                         check_num_worst_tokens, on_every_rank, reject)
 

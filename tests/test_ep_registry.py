@@ -1,0 +1,154 @@
+"""The registry's choice of a transport per call (`smsplit.ep.registry.choose`), checked on the CPU with the real
+transports' capabilities in a GPU environment described by hand and with made-up capabilities, the handle's record of
+the transport that ran, and the header word of the SM count."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from smsplit.ep import Buffer, EPArgumentError, registry
+from smsplit.ep.header import H_NUM_SMS, H_NUM_TOKENS, OP_INIT, init_header, new_header
+from smsplit.ep.transport import Environment, Move
+from ep_harness import gloo_pool
+
+MB = 1 << 20
+GPU = Environment(cuda=True, one_node=True, num_ranks=2, num_nvl_bytes=512 * MB, device_sms=132, device="cuda:0")
+CPU = Environment(cuda=False, one_node=True, num_ranks=2, num_nvl_bytes=0, device_sms=0)
+BF16, FP32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+
+
+def dispatch(dtype=BF16, **kw):
+    return Move("dispatch", dtype, **{"hidden": 7168, "num_topk": 8, "max_tokens": 4096, "num_sms": 20, **kw})
+
+
+def combine(layout_of, dtype=BF16, **kw):
+    return Move("combine", dtype, **{"hidden": 7168, "num_topk": 8, "num_sms": 20, "layout_of": layout_of,
+                                     "layout_hidden": 7168, **kw})
+
+
+def test_the_registry_lists_every_transport_fastest_first():
+    assert registry.ORDER == ("nvlink_copy_engine", "nvlink", "copy_engine", "reference")
+    assert set(registry.BACKENDS) == set(registry.ORDER) | {"auto"}
+    assert registry.DEVICE_BACKENDS == ("nvlink", "copy_engine", "nvlink_copy_engine")
+
+
+def test_auto_takes_the_fastest_transport_that_can_move_the_call():
+    choose = registry.choose
+    assert choose("auto", dispatch(), GPU) == "nvlink_copy_engine"
+    assert choose("auto", dispatch(E4M3), GPU) == "nvlink_copy_engine"  # FP8 input
+    assert choose("auto", dispatch(FP32, quantize=True), GPU) == "nvlink_copy_engine"  # quantized in the kernel
+    assert choose("auto", dispatch(FP32), GPU) == "reference"  # fp32 values: the kernels move bf16 and e4m3 only
+    assert choose("auto", dispatch(torch.float16), GPU) == "reference"
+    assert choose("auto", dispatch(), CPU) == "reference"  # gloo: no device transport
+    assert choose("auto", dispatch(), dataclasses.replace(GPU, num_nvl_bytes=0)) == "reference"  # no buffer
+    assert choose("auto", dispatch(), dataclasses.replace(GPU, one_node=False)) == "reference"
+    assert choose("auto", dispatch(), dataclasses.replace(GPU, num_nvl_bytes=150 * MB)) == "reference"  # too small
+    assert choose("auto", dispatch(hidden=200), GPU) == "reference"  # not a multiple of 128
+    assert choose("auto", dispatch(num_topk=17), GPU) == "reference"
+    assert choose("auto", dispatch(num_sms=200), GPU) == "reference"  # more SMs than the GPU has
+    # a cached dispatch or a combine reuses its layout: the transport that made it, else the reference
+    for maker in registry.ORDER:
+        assert choose("auto", dispatch(layout_of=maker, layout_hidden=7168), GPU) == maker
+        assert choose("auto", combine(maker), GPU) == maker
+        assert choose("auto", combine(maker, FP32), GPU) == "reference"  # the kernels sum bf16 only
+        assert choose("auto", combine(maker, None), GPU) == "reference"  # weights only
+    assert choose("auto", combine("nvlink", hidden=4096), GPU) == "reference"  # other rows than its dispatch's
+    # captured in a CUDA graph: no host synchronization
+    captured = dict(captured=True, worst=8192)
+    assert choose("auto", dispatch(**captured), GPU) == "nvlink"  # nvlink_copy_engine plans from a handle
+    assert choose("auto", dispatch(layout_of="nvlink_copy_engine", layout_hidden=7168, **captured),
+                  GPU) == "nvlink_copy_engine"
+    assert choose("auto", combine("nvlink_copy_engine", captured=True), GPU) == "nvlink_copy_engine"
+    with pytest.raises(EPArgumentError) as caught:
+        choose("auto", dispatch(**captured), CPU)
+    assert caught.value.argument == "backend" and "cannot run inside a CUDA graph capture" in str(caught.value)
+
+
+def test_an_explicit_backend_that_cannot_move_a_call_names_one_that_can():
+    with pytest.raises(EPArgumentError) as caught:
+        registry.choose("nvlink", dispatch(FP32), GPU)
+    assert caught.value.argument == "x"
+    assert str(caught.value).startswith("x: the nvlink backend moves bfloat16 and float8_e4m3fn values")
+    assert str(caught.value).endswith("; backend='reference' can")
+    with pytest.raises(EPArgumentError, match="combines bfloat16 rows, got torch.float32; backend='reference' can"):
+        registry.choose("nvlink_copy_engine", combine("nvlink_copy_engine", FP32), GPU)
+    with pytest.raises(EPArgumentError, match=r"^handle: the nvlink backend moves only layouts its own dispatches "
+                                              r"made; this handle's dispatch ran on reference; backend='reference'"):
+        registry.choose("nvlink", dispatch(layout_of="reference", layout_hidden=7168), GPU)
+    # one that is not there yet: the reference refuses a capture, naming the backends that can
+    with pytest.raises(EPArgumentError, match="the backends that can: nvlink_copy_engine, nvlink; "
+                                              "backend='nvlink' can"):
+        registry.choose("reference", dispatch(captured=True, worst=8192), GPU)
+    # a backward pass (internal) takes the reference where the explicit backend cannot move its gradients
+    assert registry.choose("nvlink", combine("nvlink", FP32), GPU, internal=True) == "reference"
+    assert registry.choose("nvlink", combine("nvlink"), GPU, internal=True) == "nvlink"
+    assert registry.choose("reference", dispatch(), GPU) == "reference"
+
+
+def test_the_choice_follows_the_declared_capabilities():
+    """Made-up capabilities: a fastest transport that moves no bf16 leaves bf16 calls to the next one, and one that
+    moves fp32 takes fp32 calls from the reference."""
+    real = registry.capabilities
+
+    def fake(name):
+        caps = real(name)
+        if name == "nvlink_copy_engine":
+            return dataclasses.replace(caps, moves=frozenset({E4M3}), quantizes=frozenset())
+        if name == "copy_engine":
+            return dataclasses.replace(caps, moves=caps.moves | {FP32})
+        return caps
+
+    assert registry.choose("auto", dispatch(), GPU, capabilities_of=fake) == "nvlink"
+    assert registry.choose("auto", dispatch(E4M3), GPU, capabilities_of=fake) == "nvlink_copy_engine"
+    assert registry.choose("auto", dispatch(FP32), GPU, capabilities_of=fake) == "copy_engine"
+    with pytest.raises(EPArgumentError, match="; backend='copy_engine' can$"):
+        registry.choose("nvlink", dispatch(FP32), GPU, capabilities_of=fake)
+
+
+def test_size_hints_of_auto_fit_every_transport():
+    args = (4, 4096, 7168, 8, BF16, False, BF16)
+    sizes = {name: registry.size_hint(name, *args) for name in registry.ORDER}
+    assert registry.size_hint("auto", *args) == max(sizes.values())
+    assert Buffer.get_buffer_size_hint(4096, 7168, 4, 8, backend="auto") == max(sizes.values())
+    assert Buffer.get_buffer_size_hint(4096, 7168, 4, 8) == sizes["reference"]
+
+
+def test_the_init_header_carries_the_sm_count_in_its_own_word():
+    header = init_header(new_header(3, OP_INIT, 1, False), 1 << 20, 24, 2, None)
+    assert (header[:, H_NUM_SMS] == 24).all() and (header[:, H_NUM_TOKENS] == 0).all()
+
+
+def case_handles_record_their_transport(rank, world_size):
+    """On gloo, "auto" and "reference" run the reference transport, and the handle says so; the header of the
+    constructor carries each rank's SM count in `H_NUM_SMS`."""
+    from smsplit.ep.reference import ReferenceTransport
+
+    sent = []
+    exchange = ReferenceTransport.exchange_headers
+    ReferenceTransport.exchange_headers = lambda self, op, what, rows: (sent.append(rows.clone()),
+                                                                        exchange(self, op, what, rows))[1]
+    try:
+        buffers = [Buffer(dist.group.WORLD, num_sms=12, timeout_s=10),
+                   Buffer(dist.group.WORLD, backend="reference", timeout_s=10)]
+    finally:
+        ReferenceTransport.exchange_headers = exchange
+    init_rows = [rows for rows in sent if int(rows[0, 0]) == OP_INIT]
+    assert [int(rows[0, H_NUM_SMS]) for rows in init_rows] == [12, Buffer.num_sms]
+    assert all(int(rows[0, H_NUM_TOKENS]) == 0 for rows in init_rows)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    topk = torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0]])
+    made = []
+    for buffer in buffers:
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 4)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(x.float(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert, topk_idx=topk)
+        made.append((buffer.backend, handle.transport, type(handle.transport_state).__name__))
+        buffer.combine(recv_x, handle)
+    return made
+
+
+def test_handles_record_the_transport_that_ran():
+    for made in gloo_pool(2).run(case_handles_record_their_transport):
+        assert made == [("auto", "reference", "ReferenceState"), ("reference", "reference", "ReferenceState")]
