@@ -577,10 +577,10 @@ class Buffer:
         tensors are not checked."""
         x, handle, *_, previous_event, fp8, dequantize, internal = args
         sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
-        checks.captured_sms(sms, self._eager_sms)
         spec = checks.check_dispatch(self._where, *args, check_values=False)
         move = self._dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, True, internal)
         name = registry.choose(self.backend, move, self._env, internal)
+        checks.captured_sms(sms, self._eager_sms)
         if not self._transport(name).prepared(spec.hidden):
             raise reject("x", f"make one dispatch of hidden size {spec.hidden} before capturing (it allocates the "
                               f"{name} transport's buffer, which a capture cannot)")
@@ -698,13 +698,13 @@ class Buffer:
         try:
             biases = checks.check_combine(self._where, x, handle, topk_weights, bias, previous_event, internal)
             sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
-            if captured:
-                checks.captured_sms(sms, self._eager_sms)
             move = Move("combine", x.dtype if x is not None else None, False, x.size(1) if x is not None else 0,
                         topk_weights.size(1) if topk_weights is not None else 0, 0, sms, argument, handle.transport,
                         handle.hidden, captured, handle.num_worst_tokens)
             name = registry.choose(self.backend, move, self._env, internal)
-            if not captured:
+            if captured:
+                checks.captured_sms(sms, self._eager_sms)
+            else:
                 self._fill_combine_header(header, x, handle, topk_weights, sms)
         except EPArgumentError as e:
             if captured:
