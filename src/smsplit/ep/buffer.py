@@ -5,21 +5,20 @@ A thin front: it checks the arguments (`smsplit.ep.checks`), agrees on them with
 that `smsplit.ep.registry` chooses for the call; autograd goes through `smsplit.ep.autograd`.
 """
 
-import functools
 from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .. import fp8 as fp8_lib
-from ..timeouts import timeout_problem
 from . import checks, registry
 from .autograd import Untracked, combine_with_grad, dispatch_with_grad
-from .checks import sms_count, topk_idx_t  # noqa: F401  (topk_idx_t: DeepEP's name, exported by smsplit.ep)
+from .checks import sms_count, topk_idx_t
+from .config import Config  # noqa: F401  (topk_idx_t: DeepEP's name, exported by smsplit.ep)
 from .event import EventOverlap
-from .header import (FLAG_TOPK_WEIGHTS, H_DTYPE, H_FLAGS, H_HANDLE, H_HIDDEN, H_NUM_EXPERTS, H_NUM_SMS,
-                     H_NUM_TOKENS, H_STATUS, H_NUM_TOPK, H_NUM_WORST, HEADER_WORDS, DTYPE_CODES, OP_COMBINE, OP_DISPATCH,
-                     OP_INIT, OP_NAMES, agree, agree_init, init_header, new_header, status_code)
+from .header import (H_NUM_SMS, H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
+                     OP_INIT, OP_NAMES, aborts, agree, agree_init, fill_combine, fill_dispatch, init_header,
+                     new_header, status_code)
 from .layout import DispatchHandle, align_up, compute_dispatch_layout
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # noqa: F401  (the backend names, for callers and tests)
@@ -30,118 +29,31 @@ Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 __all__ = ["Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
 
 
-def _aborts(method):
-    """
-    Make the `Buffer` call ``method`` abort the buffer when it raises an error of this rank's own: the peers' waits
-    then raise `EPAbortError` at once, naming this rank and the error, instead of `EPTimeoutError` at `timeout_s`,
-    and this buffer refuses every later call. Not an error that every rank raises with it (`on_every_rank`), nor one
-    of a wait for a peer (a timeout, a lost peer, ranks out of step: the transport records it as its failure, and the
-    other ranks' waits see the same peer themselves); an `EPAbortError` is passed on, with its cause.
-    """
-    call_name = method.__name__.lstrip("_")
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        rounds = self.transport.header_rounds
-        try:
-            return method(self, *args, **kwargs)
-        except BaseException as error:
-            own = self.transport.failure is None or isinstance(error, EPAbortError)
-            if own and not getattr(error, "on_every_rank", False):
-                if isinstance(error, EPAbortError):  # a peer failed first: pass its rank and error on
-                    cause, text = error.peer, error.error
-                else:
-                    cause, text = self.rank, f"{call_name}: {type(error).__name__}: {error}"
-                self.transport.abort(cause, text, inside_call=self.transport.header_rounds > rounds)
-            raise
-
-    return call
-
-
-class Config:
-    """
-    DeepEP's `Config` (`deep_ep.Config`): what one dispatch or combine runs with. Only `num_sms` is read here (pass
-    the config as `Buffer.dispatch(..., config=...)` / `Buffer.combine(..., config=...)`); the chunk sizes tune
-    DeepEP's ring buffers, which these transports do not have, and are kept only for code that reads them back.
-
-    Arguments:
-        num_sms: the SMs (persistent programs) of the call's communication kernels, an int >= 1 (DeepEP's must be
-            even; any count works here). DeepEP's own `deep_ep.Config` does not expose its count to Python: passed
-            here it gives the buffer's `num_sms`.
-        num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
-        num_max_rdma_chunked_recv_tokens: accepted and kept (DeepEP's chunking of its NVLink and RDMA buffers).
-    """
-
-    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
-                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
-        self.num_sms = sms_count("num_sms", num_sms)
-        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
-        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
-        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
-
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0. DeepEP sizes a ring buffer from the chunk sizes; the device backends here hold a whole dispatch, so
-        their size follows the token count: `Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks,
-        num_topk, backend=...)`. With 0 bytes a `Buffer` runs the reference backend, and a device backend refuses
-        the size with that advice."""
-        return 0
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0: intranode only (no RDMA buffer)."""
-        return 0
-
-    def __repr__(self) -> str:
-        return f"Config(num_sms={self.num_sms})"
-
-
-
 class Buffer:
     """
     Expert-parallel (EP) communication for Mixture-of-Experts layers: dispatch tokens to the ranks that hold their
     top-k experts, and combine the expert outputs back, with the API and return values of DeepEP's intranode
-    normal kernels (`deep_ep.Buffer`).
+    normal kernels (`deep_ep.Buffer`). Dispatch and combine are differentiable (each one's backward is the other).
 
     Every call is collective over `group`: all ranks call the same methods in the same order. Before any token
     moves, the ranks exchange a small header and agree on the arguments; an invalid argument on any rank raises
     `EPArgumentError` (a `ValueError` naming the argument) on every rank. A peer that does not arrive within
     `timeout_s` raises `EPTimeoutError` naming the peer and the phase; after that (and after `EPError`) the buffer
-    is unusable. A call that raises on one rank alone (an error the others do not raise with it: say its
-    `get_dispatch_layout` rejects an expert id) aborts the buffer: the peers' waits raise `EPAbortError` naming
-    that rank and its error at once, and every rank's buffer refuses later calls (docs/ep.md, "Errors").
-
-    The device backends' kernels wait for peers on the GPU, bounded by `timeout_s` too; a wait that times out
-    writes the rank, peer and phase to host memory and the kernel runs to its end; the next call raises `EPError`
-    naming it, on every rank, before it launches anything. No call waits for earlier kernels to read that word (the
-    host runs ahead of the GPU, as with DeepEP): the first call whose header is built after the timeout raises.
-    Kernels queued behind the failed one do not wait for peers any more (the NVLink transports' move nothing and
-    signal no peer but free their copy stream; the copy-engine transport's flags carry call numbers, so no copy
-    stream waits for ever), and their results are not valid (like the failed call's own). `check_kernels` waits
-    for the stream, where a result must be known good without a later call. A device backend makes its symmetric
-    buffer (collectively: torch's symmetric-memory rendezvous, then a barrier) at the first dispatch of each hidden
-    size, after that call's header exchange: a peer lost between the two is bounded by the process group's timeout,
-    not `timeout_s`.
-
-    Dispatch and combine are differentiable: when `x` or `topk_weights` requires grad, the backward of a dispatch
-    is a combine of the gradients and the backward of a combine is a dispatch of the gradients.
+    is unusable. A call that raises on one rank alone aborts the buffer: the peers' waits raise `EPAbortError`
+    naming that rank and its error at once. A device kernel's wait that times out is raised by the next call on
+    every rank, before it launches anything, or by `check_kernels` (docs/ep.md, "Errors").
 
     Attributes:
-        group: the communication group.
-        rank: this rank in `group`.
-        group_size: the number of ranks in `group`.
-        num_nvl_bytes: the size of the receive buffer each rank holds; 0 lets the reference backend allocate on
-            demand (the GPU transports need it set: see `get_buffer_size_hint`).
+        group, rank, group_size: the communication group, this rank in it, its size.
+        num_nvl_bytes: the receive buffer each rank holds (0: the reference transport allocates per call).
         num_rdma_bytes: 0 (DeepEP's attribute; intranode only).
-        num_sms: the SMs a call's communication kernels use when its `config` names none: the granted comm SMs of
-            `budget` when one is given, the constructor's `num_sms` when given, else the class attribute
-            `Buffer.num_sms` (DeepEP's default, 20; `Buffer.set_num_sms` changes it for every such buffer's
-            later calls).
-        budget: the `smsplit.budget.SmBudget` whose comm SM count the NVLink kernels use, or None.
-        backend: the transport in use ("reference", "nvlink", "nvlink_copy_engine" or "copy_engine").
-        device: the device of the tensors this buffer accepts: CPU for gloo groups, the current CUDA device for NCCL.
+        num_sms: the SMs of a call whose `config` names none: `budget`'s comm SMs, else the constructor's, else the
+            class attribute `Buffer.num_sms` (DeepEP's default, 20; `set_num_sms` changes it).
+        budget: the `smsplit.budget.SmBudget` whose comm SM count the device kernels use, or None.
+        backend: as given: "auto" or the name of a transport (`smsplit.ep.registry`).
+        device: CPU for gloo groups, the current CUDA device for NCCL.
         timeout_s: the longest wait for a peer, in seconds.
-        transport: the `Transport` that moves the bytes.
+        transport: the reference transport: the header exchange of every call, the aborts, and the reference's moves.
     """
 
     num_sms: int = 20  # DeepEP's class default: the SM count of buffers made without one (`set_num_sms`)
@@ -172,16 +84,13 @@ class Buffer:
                 buffers follow it). Ignored when `budget` is given.
             budget: an `SmBudget`; its `comm_sms` replaces `num_sms`. Kernels launch on the current stream: call the
                 buffer inside `torch.cuda.stream(budget.comm_stream)` to run them on the comm SMs.
-            backend: "reference" (point-to-point `torch.distributed` messages), "nvlink" (the SM-push Triton
-                kernels of `smsplit.ep.nvlink`: SMs store tokens into peers' buffers over NVLink), "nvlink_copy_engine"
-                (the same kernels with ``bulk="copy_engine"``: copy engines move the token rows, one copy per peer
-                for a dispatch and chunks for a combine, the SMs the metadata, this rank's own rows and the sum;
-                the rows of an FP8 dispatch that quantizes in the kernel are pushed by the SMs as they are made;
-                the fastest of the backends, see BENCHMARKS.md; a token's row among those from its source is not always
-                in token order, `recv_src_idx` in the handle names it), "copy_engine" (`smsplit.ep.copy_engine`: SMs
-                pack and sum, the copy engines move the bytes), or "auto" (the reference). The device backends need
-                an NCCL group of one node; size `num_nvl_bytes` with `get_buffer_size_hint(..., backend=...)`.
-                "nvlink" and "nvlink_copy_engine" can be captured in CUDA graphs (see `dispatch`).
+            backend: "auto" (per call, the fastest transport that can move it: docs/ep.md, "Choosing a
+                transport"), "reference" (point-to-point `torch.distributed` messages, any device), "nvlink" (the
+                SM-push Triton kernels of `smsplit.ep.nvlink`), "nvlink_copy_engine" (the same kernels, the copy
+                engines moving the token rows: the fastest; a token's row among those from its source is not always
+                in token order, `recv_src_idx` names it) or "copy_engine" (`smsplit.ep.copy_engine`). The device
+                backends need an NCCL group of one node and `num_nvl_bytes` from `get_buffer_size_hint(...,
+                backend=...)`; an explicit one refuses a call it cannot move, naming a backend that can.
             timeout_s: the longest wait for a peer, in seconds, before `EPTimeoutError`: finite, at most
                 `smsplit.timeouts.MAX_TIMEOUT_S` (a year; the waits hand it to gloo and to the kernels as nanoseconds).
 
@@ -193,26 +102,13 @@ class Buffer:
             group = dist.group.WORLD
         error = None  # an argument error: raised on every rank after the first header exchange (below)
         try:
-            problem = timeout_problem(timeout_s)
-            if problem:
-                timeout_s = 60.0  # (the exchange that tells the other ranks needs a bound)
-                raise reject("timeout_s", problem)
-            if num_rdma_bytes != 0:
-                raise reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r} "
-                                               f"(the third positional argument, as in DeepEP; num_sms and smsplit's "
-                                               f"other arguments are keyword-only)")
-            if low_latency_mode:
-                raise reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels "
-                                                 "exist here")
-            registry.check_backend(backend)
-            num_nvl_bytes = checks.plain_int(num_nvl_bytes)
-            checks.check_int("num_nvl_bytes", num_nvl_bytes, 0)
-            if num_sms is not None:
-                num_sms = sms_count("num_sms", num_sms)
+            num_nvl_bytes, num_sms = checks.constructor(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms,
+                                                        backend, timeout_s)
         except EPArgumentError as e:
             if group is None:  # no process group to tell the others through
                 raise
             error = e
+            timeout_s = timeout_s if e.argument != "timeout_s" else 60.0  # (the exchange needs a bound)
 
         self.group = group
         self.rank = group.rank()
@@ -291,34 +187,14 @@ class Buffer:
                              x_dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
                              combine_dtype: torch.dtype = torch.bfloat16, backend: str = "reference") -> int:
         """
-        The smallest `num_nvl_bytes` for dispatches and combines of up to `num_max_tokens_per_rank` tokens per rank.
-
-        A rank's receive area holds one slot per source rank, each big enough for all of that rank's tokens
-        (dispatch rows: values, FP8 scales, int64 top-k ids, fp32 weights, int32 source index; combine rows:
-        values and fp32 weights; each padded to 16 bytes), plus a header per rank.
-
-        Arguments:
-            num_max_tokens_per_rank: the most tokens any rank dispatches in one call.
-            hidden: the hidden size.
-            num_ranks: the number of ranks.
-            num_topk: top-k ids per token (0 if dispatched without top-k).
-            x_dtype: the dtype of the dispatched values (ignored when `fp8`).
-            fp8: whether tokens travel as FP8 with scales.
-            combine_dtype: the dtype of the combined values.
-            backend: "reference" (or "auto"), "nvlink", "nvlink_copy_engine" or "copy_engine". The nvlink
-                transport's symmetric buffer (both nvlink backends) holds a bf16-sized receive area and a combine area
-                for every source rank, and top-k columns for up to 16; the copy_engine transport's a bf16-sized
-                staging area per destination and a combine area.
-
-        Returns:
-            size: bytes.
-
-        Raises `EPArgumentError` (a ValueError) naming the argument for an unknown backend or a count out of range.
+        The smallest `num_nvl_bytes` for dispatches and combines of up to `num_max_tokens_per_rank` tokens per rank
+        (each at most `num_topk` top-k columns; values of `x_dtype`, or FP8 with `fp8`; combined values of
+        `combine_dtype`) on `backend`'s transport: its `Capabilities.buffer_bytes` (docs/ep.md). The reference's
+        holds one slot per source rank, each row the larger of a dispatch row and a combine row, plus a header per
+        rank; the nvlink transports' a bf16-sized receive and combine area per source rank with top-k columns for
+        up to 16; "auto": the largest of them. An unknown backend or a count out of range is an `EPArgumentError`.
         """
-        registry.check_backend(backend)
-        for name, value, minimum in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 0), ("hidden", hidden, 1),
-                                     ("num_ranks", num_ranks, 1), ("num_topk", num_topk, 0)):
-            checks.check_int(name, value, minimum)
+        checks.size_hint_arguments(num_max_tokens_per_rank, hidden, num_ranks, num_topk, backend)
         return int(registry.size_hint(backend, int(num_ranks), int(num_max_tokens_per_rank), int(hidden),
                                       int(num_topk), x_dtype, fp8, combine_dtype))
 
@@ -334,14 +210,9 @@ class Buffer:
 
     def get_comm_stream(self):
         """
-        The stream this buffer's communication runs on, as DeepEP's `get_comm_stream()`. DeepEP's buffer owns a
-        stream and runs every call on it; this one has none: each call runs on the current stream (docs/ep.md,
-        "Differences from DeepEP"). So: `budget.comm_stream` where the buffer has a budget (the stream whose SMs
-        the budget keeps for communication: code that launches its calls under
-        ``torch.cuda.stream(buffer.get_comm_stream())``, as DeepEP-based code does to overlap, puts them there);
-        else the current stream of the buffer's device, which the calls made now run on. Either way, a stream that
-        waits for the returned one and for the calling stream waits for the calls. A CPU (gloo) buffer gives
-        `torch.cpu.current_stream()`, whose waits do nothing (CPU calls finish before they return).
+        The stream this buffer's communication runs on, as DeepEP's `get_comm_stream()`. This buffer has none of its
+        own (each call runs on the current stream: docs/ep.md, "Differences from DeepEP"), so: `budget.comm_stream`
+        where it has a budget, else the current stream of its device (`torch.cpu.current_stream()` on a CPU).
         """
         if self.device.type != "cuda":
             return torch.cpu.current_stream()
@@ -351,15 +222,9 @@ class Buffer:
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """
-        Whether the kernels are built with Hopper's (sm_90) features, as DeepEP's static `is_sm90_compiled()`; its
-        callers read it as "FP8 dispatch is available" (DeepEP's own tests skip their FP8 cases without it). DeepEP
-        answers from how its extension was compiled, not from the GPU present, and so does this: True where Triton
-        has its NVIDIA backend, which builds every kernel here for sm_90 (at a kernel's first launch on a GPU; on a
-        machine without one, `smsplit.ptx.compile_for_sm90`). FP8 dispatch works on the reference backend either
-        way. Whether this process's GPU can run the device backends (written for Hopper) is not part of the
-        answer: see `torch.cuda.get_device_capability()`.
-        """
+        """Whether the kernels are built with Hopper's (sm_90) features, as DeepEP's `is_sm90_compiled()` (read by its
+        callers as "FP8 dispatch is available"): True where Triton has its NVIDIA backend, which builds every kernel
+        here for sm_90. Like DeepEP's, it says nothing of the GPU present."""
         from triton.backends import backends
 
         return "nvidia" in backends
@@ -401,15 +266,10 @@ class Buffer:
         """
         # Errors of the arguments' types and shapes leave the buffer usable: the same code passes them alike on every
         # rank. Any later error (ids out of range: data, which differ between ranks) aborts it (docs/ep.md, "Errors").
-        num_experts = checks.plain_int(num_experts)
-        checks.check_int("num_experts", num_experts, 1)
-        checks.check_event(previous_event)
-        if num_experts % self.group_size:
-            raise reject("num_experts", f"{num_experts} experts do not divide evenly over {self.group_size} ranks")
-        checks.check_topk_idx_form(topk_idx, None, self.device)
+        num_experts = checks.layout_arguments(topk_idx, num_experts, previous_event, self.group_size, self.device)
         return self._get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish)
 
-    @_aborts
+    @aborts
     def _get_dispatch_layout(self, topk_idx, num_experts: int, previous_event, async_finish: bool):
         """`get_dispatch_layout` after the checks of its plain arguments."""
         self._check_alive()
@@ -421,7 +281,7 @@ class Buffer:
 
     # -- dispatch --------------------------------------------------------------------------------------------
 
-    @_aborts
+    @aborts
     def dispatch(self, x: Tensorish, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -444,9 +304,7 @@ class Buffer:
             x: `[num_tokens, hidden]` with `torch.bfloat16` (or `torch.float16` / `torch.float32`), or a tuple
                 `(x_fp8, scales)`: `[num_tokens, hidden]` with `torch.float8_e4m3fn` and `[num_tokens, hidden // 128]`
                 with `torch.float32` (`hidden` a multiple of 128), as made by `smsplit.fp8.quantize_1x128`; `hidden`
-                at least 1.
-                Any strides and offset: the device backends copy a view that is not contiguous or does not start on
-                a 16-byte boundary before their kernels read it.
+                at least 1; any strides and offset.
             handle: a handle returned by an earlier `dispatch` of this buffer, or the tuple of its six DeepEP fields
                 that unpacking it gave (`DispatchHandle.from_deepep_tuple`); selects the cached mode.
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
@@ -458,38 +316,28 @@ class Buffer:
                 ids must lie in `[-1, num_experts)`. May be None (then nothing top-k is received).
             topk_weights: `[num_tokens, num_topk]` with `torch.float`, the weight of each selection; needs `topk_idx`.
             expert_alignment: round each entry of `num_recv_tokens_per_expert_list` up to a multiple of this.
-            num_worst_tokens: if positive, the received tensors have exactly this many rows (the rows past the
-                received tokens are zero, their `recv_topk_idx` is -1) and `num_recv_tokens_per_expert_list` is an
-                empty list; the nvlink backend's kernels then need no host synchronization, so the call can be
-                captured in a CUDA graph (where it runs with none), and so can the nvlink_copy_engine backend's in the
-                cached mode (`handle` of an eager dispatch, which planned the copies on the host). An eager call still
-                checks its arguments' values and exchanges a header with every rank on the host (a synchronization)
-                before it launches anything. Must be at least the number of tokens this rank receives.
-            config: a `Config` (`smsplit.ep.Config`, or anything with an int `num_sms`): the SMs of this call's
-                kernels, at most the budget's comm SMs; None, or an object without a readable `num_sms` (DeepEP's
-                own `deep_ep.Config`): `num_sms`. Every rank must give the same count; a call captured in a CUDA
-                graph must use that of the eager calls before it. Backward passes use `num_sms`. The other fields
-                tune DeepEP's ring buffers and are ignored.
-            previous_event: the event the current stream waits for before the call reads its inputs (the argument
-                checks read the layout on the host after it).
-            async_finish: also return an event recorded after the call's work, for another stream to wait for; the
-                work itself runs on the current stream either way (there is no separate communication stream, see
-                docs/ep.md "Differences from DeepEP"); the reference backend always finishes before returning.
-            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
-                allocated on the current stream).
+            num_worst_tokens: if positive (at least the tokens this rank receives), the received tensors have exactly
+                this many rows (padding rows zero, their `recv_topk_idx` -1) and `num_recv_tokens_per_expert_list`
+                is []; the nvlink transports then need no host synchronization, so the call can be captured in a CUDA
+                graph (nvlink_copy_engine's in the cached mode only: docs/ep.md, "CUDA graphs").
+            config: a `Config` (or anything with an int `num_sms`): this call's SMs, at most the budget's comm SMs,
+                the same on every rank (a captured call: that of the eager calls before it); None, or an object
+                without a readable `num_sms` (DeepEP's own `deep_ep.Config`): `num_sms`.
+            previous_event: the event the current stream waits for before the call reads its inputs.
+            async_finish: also return an event recorded after the call's work (which runs on the current stream:
+                docs/ep.md, "Differences from DeepEP").
+            allocate_on_comm_stream: accepted for DeepEP compatibility; ignored.
             fp8: quantize a floating-point `x` to FP8 e4m3 with one fp32 scale per 128 values before sending
-                (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)`. An inf or NaN in
-                `x` makes its whole 128-value tile NaN after dequantization (its scale is inf or NaN), as with
-                DeepEP's cast; nothing checks for them (that would cost a host synchronization).
+                (`smsplit.fp8.quantize_1x128`); `recv_x` is then `(recv_x_fp8, recv_scales)` (an inf or NaN makes
+                its 128-value tile NaN, unchecked, as with DeepEP's cast).
             dequantize: with FP8 on the wire (`fp8=True` or an FP8 `x`), dequantize on receive: `recv_x` is a
                 tensor of the input dtype (bfloat16 for an FP8 `x`).
 
         Returns:
             recv_x: the received tokens, `[num_recv_tokens, hidden]` (`[num_worst_tokens, hidden]` if set), ordered by
-                source rank, then by token index on the source rank (backend "nvlink_copy_engine": within a
-                source's block the last few tokens may take the rows of tokens not sent here, see
-                `smsplit.ep.nvlink._prefix_plan`; the same rows for every dispatch with one handle); a tuple
-                `(recv_x_fp8, recv_scales)` when FP8 travelled and `dequantize` is False.
+                source rank, then by token index on the source rank (nvlink_copy_engine: a few tokens of a source's
+                block may take other rows, the same for every dispatch with one handle; `recv_src_idx` names
+                them); a tuple `(recv_x_fp8, recv_scales)` when FP8 travelled and `dequantize` is False.
             recv_topk_idx: `[num_recv_tokens, num_topk]` with `torch.int64`: the top-k ids as local expert ids of
                 this rank (`0 .. num_local_experts - 1`), -1 for experts on other ranks and for `-1` entries; None in
                 the cached mode or without `topk_idx`.
@@ -518,7 +366,7 @@ class Buffer:
                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                               previous_event, async_finish, fp8, dequantize, config=config)
 
-    @_aborts
+    @aborts
     def _dispatch(self, x: Tensorish, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event,
                   async_finish, fp8, dequantize, internal: bool = False, config=None):
@@ -540,7 +388,7 @@ class Buffer:
             spec = checks.check_dispatch(self._where, *args)
             move = self._dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, False, internal)
             registry.choose(self.backend, move, self._env, internal)  # (with this rank's own tokens)
-            self._fill_header(header, spec, handle)
+            fill_dispatch(header, spec, handle)
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = status_code(e)
@@ -628,7 +476,7 @@ class Buffer:
                       else (recv_x, received.scales))
         return recv_x, received.topk_idx, recv_topk_weights, handle
 
-    @_aborts
+    @aborts
     def check_kernels(self) -> None:
         """
         Raise `EPError` if a kernel of this rank recorded a timeout (a peer that never arrived) since the last
@@ -642,7 +490,7 @@ class Buffer:
 
     # -- combine ---------------------------------------------------------------------------------------------
 
-    @_aborts
+    @aborts
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config=None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -660,13 +508,7 @@ class Buffer:
                 unpacking it gave (`DispatchHandle.from_deepep_tuple`).
             topk_weights: `[num_recv_tokens, num_topk]` with `torch.float`, summed the same way, or None.
             bias: None, or one or two `[num_tokens, hidden]` tensors of `x`'s dtype added to the result.
-            config: as for `dispatch`: the SMs of this call's kernels (`config.num_sms`), else `num_sms`.
-            previous_event: the event the current stream waits for before the call reads its inputs.
-            async_finish: also return an event recorded after the call's work, for another stream to wait for; the
-                work itself runs on the current stream either way (there is no separate communication stream, see
-                docs/ep.md "Differences from DeepEP"); the reference backend always finishes before returning.
-            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
-                allocated on the current stream).
+            config, previous_event, async_finish, allocate_on_comm_stream: as for `dispatch`.
 
         Returns:
             combined_x: `[num_tokens, hidden]`, `x`'s dtype: for each token of this rank, the sum of the rows that
@@ -685,7 +527,7 @@ class Buffer:
                                      config)
         return self._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
 
-    @_aborts
+    @aborts
     def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False,
                  config=None):
         """`combine` without autograd; `internal` (a backward pass) allows `x=None`. Captured in a CUDA graph (see
@@ -705,7 +547,7 @@ class Buffer:
             if captured:
                 checks.captured_sms(sms, self._eager_sms)
             else:
-                self._fill_combine_header(header, x, handle, topk_weights, sms)
+                fill_combine(header, x, handle, topk_weights, sms)
         except EPArgumentError as e:
             if captured:
                 raise on_every_rank(e)
@@ -757,28 +599,6 @@ class Buffer:
             except (EPTimeoutError, ValueError) as error:
                 return str(error)
         return None
-
-    def _fill_header(self, header, spec, handle) -> None:
-        header[:, H_NUM_TOKENS] = spec.num_tokens
-        header[:, H_NUM_EXPERTS] = spec.num_experts
-        header[:, H_HIDDEN] = spec.hidden
-        header[:, H_DTYPE] = DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0
-        header[:, H_NUM_TOPK] = spec.num_topk
-        header[:, H_FLAGS] = spec.flags
-        header[:, H_NUM_WORST] = spec.num_worst_tokens
-        header[:, H_HANDLE] = handle.round if handle is not None else 0
-        if spec.host_layout is not None:
-            header[:, HEADER_WORDS:] = spec.host_layout["num_tokens_per_rank"]
-
-    @staticmethod
-    def _fill_combine_header(header, x, handle, topk_weights, sms: int) -> None:
-        header[:, H_NUM_SMS] = sms
-        header[:, H_HANDLE] = handle.round
-        if x is not None:
-            header[:, H_HIDDEN] = x.size(1)
-            header[:, H_DTYPE] = DTYPE_CODES[x.dtype]
-        header[:, H_NUM_TOPK] = topk_weights.size(1) if topk_weights is not None else -1
-        header[:, H_FLAGS] = FLAG_TOPK_WEIGHTS * (topk_weights is not None)
 
     def _exchange(self, op: int, what: str, header, own_error: Optional[EPArgumentError]) -> torch.Tensor:
         """Send this rank's header rows (`what`, for error messages) and agree on the rows every rank sent

@@ -8,10 +8,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..timeouts import timeout_problem
 from .event import EventOverlap
 from .header import FLAG_CACHED, FLAG_SCALES, FLAG_TOPK_IDX, FLAG_TOPK_WEIGHTS, HEADER_WORDS
 from .layout import DispatchHandle, check_dispatch_layout
 from .rows import SCALE_BLOCK, buffer_bytes, combine_row_bytes
+from .registry import check_backend
 from .transport import reject
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -313,3 +315,38 @@ def check_combine(where: "Where", x, handle, topk_weights, bias, previous_event,
     check_event(previous_event)
     return biases
 
+
+def constructor(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, backend, timeout_s) -> Tuple[int, Optional[int]]:
+    """`Buffer`'s own arguments (before its first header exchange): ``(num_nvl_bytes, num_sms)`` as ints."""
+    problem = timeout_problem(timeout_s)
+    if problem:
+        raise reject("timeout_s", problem)
+    if num_rdma_bytes != 0:
+        raise reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r} (the "
+                                       f"third positional argument, as in DeepEP; num_sms and smsplit's other "
+                                       f"arguments are keyword-only)")
+    if low_latency_mode:
+        raise reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist here")
+    check_backend(backend)
+    num_nvl_bytes = plain_int(num_nvl_bytes)
+    check_int("num_nvl_bytes", num_nvl_bytes, 0)
+    return num_nvl_bytes, (sms_count("num_sms", num_sms) if num_sms is not None else None)
+
+
+def layout_arguments(topk_idx, num_experts, previous_event, num_ranks: int, device: torch.device) -> int:
+    """`get_dispatch_layout`'s arguments but the ids' values; returns ``num_experts`` as an int."""
+    num_experts = plain_int(num_experts)
+    check_int("num_experts", num_experts, 1)
+    check_event(previous_event)
+    if num_experts % num_ranks:
+        raise reject("num_experts", f"{num_experts} experts do not divide evenly over {num_ranks} ranks")
+    check_topk_idx_form(topk_idx, None, device)
+    return num_experts
+
+
+def size_hint_arguments(num_max_tokens_per_rank, hidden, num_ranks, num_topk, backend) -> None:
+    """`Buffer.get_buffer_size_hint`'s arguments."""
+    check_backend(backend)
+    for name, value, minimum in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 0), ("hidden", hidden, 1),
+                                 ("num_ranks", num_ranks, 1), ("num_topk", num_topk, 0)):
+        check_int(name, value, minimum)

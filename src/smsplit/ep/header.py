@@ -5,13 +5,14 @@ A row: `HEADER_WORDS` fixed words (the operation, the call's number, a status, t
 count) followed by `num_ranks` words, the sender's tokens per destination rank (an uncached dispatch's counts).
 """
 
+import functools
 import operator
 from typing import List, Optional
 
 import numpy as np
 import torch
 
-from .transport import EPArgumentError, EPError, on_every_rank, reject
+from .transport import EPAbortError, EPArgumentError, EPError, on_every_rank, reject
 
 OP_INIT, OP_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_INIT: "init", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
@@ -57,6 +58,30 @@ def init_header(header: np.ndarray, num_nvl_bytes: int, num_sms: int, backend_co
     if error is not None:
         header[:, H_STATUS] = status_code(error)
     return header
+
+
+def fill_dispatch(header: np.ndarray, spec, handle) -> None:
+    """A dispatch's words: its `checks.DispatchSpec` and the call number of its handle (0: none)."""
+    header[:, H_NUM_TOKENS] = spec.num_tokens
+    header[:, H_NUM_EXPERTS] = spec.num_experts
+    header[:, H_HIDDEN] = spec.hidden
+    header[:, H_DTYPE] = DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0
+    header[:, H_NUM_TOPK] = spec.num_topk
+    header[:, H_FLAGS] = spec.flags
+    header[:, H_NUM_WORST] = spec.num_worst_tokens
+    header[:, H_HANDLE] = handle.round if handle is not None else 0
+    if spec.host_layout is not None:
+        header[:, HEADER_WORDS:] = spec.host_layout["num_tokens_per_rank"]
+
+def fill_combine(header: np.ndarray, x, handle, topk_weights, sms: int) -> None:
+    """A combine's words."""
+    header[:, H_NUM_SMS] = sms
+    header[:, H_HANDLE] = handle.round
+    if x is not None:
+        header[:, H_HIDDEN] = x.size(1)
+        header[:, H_DTYPE] = DTYPE_CODES[x.dtype]
+    header[:, H_NUM_TOPK] = topk_weights.size(1) if topk_weights is not None else -1
+    header[:, H_FLAGS] = FLAG_TOPK_WEIGHTS * (topk_weights is not None)
 
 
 INIT_AGREED = ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"), (H_FLAGS, "backend", "backend"),
@@ -125,3 +150,31 @@ def agree(op: int, round_: int, rank: int, rows: List[List[int]], own_error: Opt
         if len(set(values)) != 1:
             raise on_every_rank(reject(argument, f"{what} differs between ranks: {values} on ranks "
                                                  f"0..{len(rows) - 1}"))
+
+
+def aborts(method):
+    """
+    Make the `Buffer` call ``method`` (its buffer's ``transport``: the header transport, which carries the aborts) abort the buffer when it raises an error of this rank's own: the peers' waits
+    then raise `EPAbortError` at once, naming this rank and the error, instead of `EPTimeoutError` at `timeout_s`,
+    and this buffer refuses every later call. Not an error that every rank raises with it (`on_every_rank`), nor one
+    of a wait for a peer (a timeout, a lost peer, ranks out of step: the transport records it as its failure, and the
+    other ranks' waits see the same peer themselves); an `EPAbortError` is passed on, with its cause.
+    """
+    call_name = method.__name__.lstrip("_")
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        rounds = self.transport.header_rounds
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as error:
+            own = self.transport.failure is None or isinstance(error, EPAbortError)
+            if own and not getattr(error, "on_every_rank", False):
+                if isinstance(error, EPAbortError):  # a peer failed first: pass its rank and error on
+                    cause, text = error.peer, error.error
+                else:
+                    cause, text = self.rank, f"{call_name}: {type(error).__name__}: {error}"
+                self.transport.abort(cause, text, inside_call=self.transport.header_rounds > rounds)
+            raise
+
+    return call
