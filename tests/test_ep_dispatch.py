@@ -177,7 +177,8 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
     (a transport that aliased them into the next round would be caught); cached-handle dispatches in between.
     Gloo (CPU tensors) or NCCL (CUDA tensors of the current device)."""
     hint = Buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
-    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, timeout_s=10)
+    # (the reference named: on NCCL, "auto" may take a device transport for a buffer this size)
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, backend="reference", timeout_s=10)
     g = torch.Generator().manual_seed(seed)
     previous = []
     for round_index in range(rounds):

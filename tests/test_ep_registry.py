@@ -3,6 +3,7 @@ transports' capabilities in a GPU environment described by hand and with made-up
 the transport that ran, and the header word of the SM count."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,3 +153,67 @@ def case_handles_record_their_transport(rank, world_size):
 def test_handles_record_the_transport_that_ran():
     for made in gloo_pool(2).run(case_handles_record_their_transport):
         assert made == [("auto", "reference", "ReferenceState"), ("reference", "reference", "ReferenceState")]
+
+
+class FakeEngine:
+    """An engine with the device engines' contract (`NvlinkTransport` / `CopyEngineTransport`: constructor, per-call
+    SM count, `plan`, `buffer_bytes`), recording its calls: what the protocol-level device transports do with an
+    engine, checked without a GPU."""
+
+    def __init__(self, group, device, max_tokens, hidden, max_topk=16, timeout_s=60.0, **options):
+        self.max_tokens, self.hidden, self.options, self.calls = max_tokens, hidden, options, []
+
+    @staticmethod
+    def buffer_bytes(num_ranks, max_tokens, hidden, max_topk=16):
+        return 1000 * num_ranks * max_tokens + hidden
+
+    def dispatch(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_local_experts, *, num_sms,
+                 quantize=False, num_worst_tokens=0, cached=None, num_recv_tokens=None, trace=None):
+        self.calls.append(("dispatch", num_sms, quantize, cached is not None, num_recv_tokens))
+        layout = cached or SimpleNamespace(rank_prefix_matrix=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
+        rows = max(num_worst_tokens, x.size(0))
+        return x, scales, topk_idx, topk_weights, torch.arange(rows, dtype=torch.int32), layout
+
+    def combine(self, y, y_weights, layout, *, num_sms, trace=None):
+        self.calls.append(("combine", num_sms))
+        return y * 2, y_weights
+
+    def plan(self, layout, is_token_in_rank, *, num_sms):
+        self.calls.append(("plan", num_sms))
+
+    def raise_if_failed(self):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["nvlink", "nvlink_copy_engine", "copy_engine"])
+def test_device_transports_drive_their_engines_per_call(kind):
+    from smsplit.ep.device import DeviceState
+    from smsplit.ep.layout import DispatchHandle
+    from smsplit.ep.transport import Tokens
+
+    base = registry.transport_class(kind)
+    fake = type("Fake", (base,), {"engine_class": classmethod(lambda cls: FakeEngine)})
+    group = SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+    transport = fake(group, torch.device("cpu"), 5.0, 37_000 + 256)
+    assert not transport.prepared(256)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    in_rank = torch.ones(4, 2, dtype=torch.bool)
+    handle = DispatchHandle(0, 0, 2, in_rank, torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32),
+                            num_recv_tokens=4, num_worst_tokens=0, num_local_experts=2, hidden=256, transport=kind)
+    counts = [[4, 4], [0, 3]]
+    got = transport.dispatch(handle, Tokens(x, num_local_experts=2, counts=counts), num_sms=12)
+    engine = transport.engines()[0]
+    assert transport.prepared(256) and engine.max_tokens == 18 and engine.hidden == 256  # 1000 * 2 * 18 + 256 fits
+    assert engine.options == ({"bulk": "copy_engine"} if kind == "nvlink_copy_engine" else {})
+    state = handle.transport_state
+    assert isinstance(state, DeviceState) and state.engine is engine and state.last_num_sms == 12
+    assert handle.recv_src_idx.tolist() == [0, 1, 2, 3]
+    expected_prefix = [[4, 4], [4, 7]] if kind == "copy_engine" else [[1, 2], [3, 4]]  # from counts, or the kernels'
+    assert handle.rank_prefix_matrix.tolist() == expected_prefix
+    assert torch.equal(got.values, x) and (got.values is not x) == (kind != "copy_engine")  # views cloned
+    transport.dispatch(handle, Tokens(x, quantize=True, num_local_experts=2), num_sms=8)  # cached: same layout
+    out, _ = transport.combine(handle, x, None, num_sms=6)
+    assert torch.equal(out, x * 2) and state.last_num_sms == 6 and len(transport.engines()) == 1
+    planned = [("plan", 12)] if kind == "nvlink_copy_engine" else []
+    assert engine.calls == [("dispatch", 12, False, False, 4), *planned, ("dispatch", 8, True, True, None),
+                            ("combine", 6)]

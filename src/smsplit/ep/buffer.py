@@ -125,7 +125,7 @@ class Buffer:
         self.backend = backend if error is None else registry.AUTO
         cuda = str(dist.get_backend(group)).lower() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self._env = self._environment(one_node=True)  # (every rank on one machine: known after the exchange below)
+        self._env = self._environment(one_node=True)  # (known after the exchange below)
         if error is None:
             error = registry.environment_problem_of(self.backend, self._env)
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)  # the headers, aborts and reference
@@ -140,10 +140,9 @@ class Buffer:
                              self.num_sms if error is None else 0, registry.BACKENDS.index(self.backend), error)
         headers = self._exchange(OP_INIT, "the buffer size", header, error)
         agree_init(headers, registry.BACKENDS)
+        # Every rank on one machine (the header file was shared): what "auto" needs of a device transport. An
+        # explicit one is taken at its word: ranks that share no /dev/shm may still share GPUs.
         self._env = self._environment(one_node=self.transport.one_node)
-        problem = registry.environment_problem_of(self.backend, self._env)
-        if problem is not None:  # (the same on every rank)
-            raise on_every_rank(problem)
 
     def _environment(self, one_node: bool) -> Environment:
         """What this buffer runs on, for the registry (the same on every rank; the GPU's SMs where a device

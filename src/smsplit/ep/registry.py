@@ -72,7 +72,7 @@ def environment_problem(name: str, env: Environment, caps: Optional[Capabilities
                                        f"Buffer.get_buffer_size_hint(..., backend={name!r})")
     if caps.max_ranks and env.num_ranks > caps.max_ranks:
         return reject("group", f"backend={name!r} serves up to {caps.max_ranks} ranks, the group has {env.num_ranks}")
-    if caps.one_node and not env.one_node:
+    if caps.one_node and not env.one_node:  # (checked by "auto" only: see `Buffer`)
         return reject("backend", f"backend={name!r} needs every rank on one machine (symmetric memory); these "
                                  f"ranks share no /dev/shm: use backend='reference'")
     return None
