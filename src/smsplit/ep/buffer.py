@@ -13,20 +13,20 @@ import torch.distributed as dist
 from .. import fp8 as fp8_lib
 from . import checks, registry
 from .autograd import Untracked, combine_with_grad, dispatch_with_grad
-from .checks import sms_count, topk_idx_t
-from .config import Config  # noqa: F401  (topk_idx_t: DeepEP's name, exported by smsplit.ep)
+from .checks import sms_count, topk_idx_t  # (topk_idx_t: DeepEP's name, exported by smsplit.ep)
+from .config import Config
 from .event import EventOverlap
 from .header import (H_NUM_SMS, H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
                      OP_INIT, OP_NAMES, aborts, agree, agree_init, fill_combine, fill_dispatch, init_header,
                      new_header, status_code)
 from .layout import DispatchHandle, align_up, compute_dispatch_layout
 from .reference import ReferenceTransport
-from .registry import BACKENDS, DEVICE_BACKENDS  # noqa: F401  (the backend names, for callers and tests)
-from .transport import (EPAbortError, EPArgumentError, EPError, EPTimeoutError, Environment, Move, Tokens,
+from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
+from .transport import (EPArgumentError, EPError, EPTimeoutError, Environment, Move, Tokens,
                         check_num_worst_tokens, on_every_rank, reject)
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-__all__ = ["Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
+__all__ = ["BACKENDS", "DEVICE_BACKENDS", "Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
 
 
 class Buffer:
@@ -391,7 +391,7 @@ class Buffer:
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = status_code(e)
-        headers = self._exchange(OP_DISPATCH, "counts", header, error).tolist()
+        headers = self._exchange(OP_DISPATCH, "counts", header, error)
         self._eager_sms = sms
         recv_per_expert = None
         if handle is None:
@@ -599,12 +599,13 @@ class Buffer:
                 return str(error)
         return None
 
-    def _exchange(self, op: int, what: str, header, own_error: Optional[EPArgumentError]) -> torch.Tensor:
+    def _exchange(self, op: int, what: str, header, own_error: Optional[EPArgumentError]) -> List[List[int]]:
         """Send this rank's header rows (`what`, for error messages) and agree on the rows every rank sent
-        (`header.agree`); returns them, row q from rank q."""
-        headers = self.transport.exchange_headers(OP_NAMES[op], what, torch.from_numpy(header))
-        agree(op, self._round, self.rank, headers.tolist(), own_error, self._device_failure, self.transport)
-        return headers
+        (`header.agree`); returns them as Python ints (indexing a tensor costs microseconds per element), row q
+        from rank q."""
+        rows = self.transport.exchange_headers(OP_NAMES[op], what, torch.from_numpy(header)).tolist()
+        agree(op, self._round, self.rank, rows, own_error, self._device_failure, self.transport)
+        return rows
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

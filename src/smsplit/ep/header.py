@@ -88,11 +88,11 @@ INIT_AGREED = ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"), (H_FLAGS, "backe
                (H_NUM_SMS, "num_sms", "num_sms (or budget.comm_sms)"))
 
 
-def agree_init(headers: torch.Tensor, backend_names) -> None:
+def agree_init(rows: List[List[int]], backend_names) -> None:
     """The constructor's words must be the same on every rank (the device kernels wait for as many programs from
     each peer as they run themselves)."""
     for word, argument, what in INIT_AGREED:
-        values = headers[:, word].tolist()
+        values = [row[word] for row in rows]
         if len(set(values)) != 1:
             shown = [backend_names[v] for v in values] if word == H_FLAGS else values
             raise reject(argument, f"{what} must be the same on every rank, got {shown}")

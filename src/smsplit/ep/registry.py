@@ -167,8 +167,9 @@ def choose(backend: str, move: Move, env: Environment, internal: bool = False,
     for name in names:
         caps = capabilities_of(name)
         if backend == AUTO:  # (an explicit backend's environment is checked when the buffer is made)
-            unusable = unusable or environment_problem(name, env, caps)
-            if environment_problem(name, env, caps) is not None:
+            trouble = environment_problem(name, env, caps)
+            if trouble is not None:
+                unusable = unusable or trouble
                 continue
         trouble = problem(name, move, env, caps)
         if trouble is None:
