@@ -217,3 +217,137 @@ def test_device_transports_drive_their_engines_per_call(kind):
     planned = [("plan", 12)] if kind == "nvlink_copy_engine" else []
     assert engine.calls == [("dispatch", 12, False, False, 4), *planned, ("dispatch", 8, True, True, None),
                             ("combine", 6)]
+
+
+class ShuffledEngine(FakeEngine):
+    """An engine that really moves rows (through the reference transport's messages, on the CPU) and, as
+    nvlink_copy_engine may, places each source's rows out of token order (reversed): `Buffer`'s device paths,
+    driven through it, must give the reference backend's results on the rows `recv_src_idx` names."""
+
+    def __init__(self, group, device, max_tokens, hidden, max_topk=16, timeout_s=60.0, **options):
+        from smsplit.ep.reference import ReferenceTransport
+
+        super().__init__(group, device, max_tokens, hidden, max_topk, timeout_s, **options)
+        self.group, self.ref = group, ReferenceTransport(group, device, timeout_s)
+
+    @staticmethod
+    def buffer_bytes(num_ranks, max_tokens, hidden, max_topk=16):
+        return max_tokens
+
+    def dispatch(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_local_experts, *, num_sms,
+                 quantize=False, num_worst_tokens=0, cached=None, num_recv_tokens=None, trace=None):
+        from smsplit.ep.layout import DispatchHandle
+        from smsplit.ep.rows import to_local_expert_ids
+        from smsplit.fp8 import quantize_1x128
+
+        self.calls.append(("dispatch", num_sms, quantize, cached is not None, num_recv_tokens))
+        if quantize:
+            x, scales = quantize_1x128(x)
+        layout = cached
+        if layout is None:
+            counts = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+            dist.all_gather(counts, is_token_in_rank.sum(0), group=self.group)
+            counts = [c.tolist() for c in counts]
+            rank = self.group.rank()
+            handle = DispatchHandle(0, rank, 2, is_token_in_rank, torch.empty(0), torch.empty(0, dtype=torch.int32),
+                                    sum(row[rank] for row in counts), num_worst_tokens, num_local_experts)
+            self.ref._state(handle, counts)
+            ends = handle.rank_prefix_matrix[:, rank].tolist()
+            order = torch.cat([torch.arange(end - 1, start - 1, -1) for start, end in zip([0] + ends[:-1], ends)])
+            layout = SimpleNamespace(handle=handle, order=order, rank_prefix_matrix=handle.rank_prefix_matrix)
+        handle, order, n = layout.handle, layout.order, layout.order.numel()
+        fields = [t for t in (x, scales, topk_idx, topk_weights) if t is not None]
+        fields.append(torch.arange(x.size(0), dtype=torch.int32).view(-1, 1))
+        got = iter(torch.cat([t[:n][order], t[n:]]) for t in self.ref.move_rows("test", handle, fields,
+                                                                                 handle.transport_state))
+        recv = [next(got) if t is not None else None for t in (x, scales, topk_idx, topk_weights)]
+        src = next(got)[:, 0].contiguous()
+        src[n:] = -1
+        if recv[2] is not None:
+            recv[2][n:] = -1
+            recv[2] = to_local_expert_ids(recv[2], handle.rank, num_local_experts)
+        return (*recv, src, layout)
+
+    def combine(self, y, y_weights, layout, *, num_sms, trace=None):
+        self.calls.append(("combine", num_sms))
+        n, back = layout.order.numel(), torch.empty_like(layout.order)
+        back[layout.order] = torch.arange(n)
+        rows = [t[:n][back] if t is not None else None for t in (y, y_weights)]
+        out, weights = self.ref.sum_rows("test", layout.handle, rows, layout.handle.transport_state)
+        return out.to(y.dtype), weights
+
+
+def case_device_paths_of_the_buffer(rank, world_size):
+    """`Buffer` on its device paths, with the engines replaced by `ShuffledEngine` and the environment by a GPU's,
+    against a reference buffer: "auto" takes nvlink_copy_engine for bf16 and FP8 (quantized in the engine) and its
+    combine, the reference (in the device layout's row order) for an fp32 combine, a cached fp32 dispatch and the
+    weights-only backward passes; an explicit nvlink_copy_engine refuses the fp32 combine, naming the reference."""
+    from smsplit.ep.device import DeviceState
+    from smsplit.ep.reference import ReferenceState
+
+    device_names = ("nvlink_copy_engine", "nvlink", "copy_engine")
+    saved = {name: registry._CLASSES[name] for name in device_names}
+    for name in device_names:
+        registry._CLASSES[name] = type("Shuffled", (saved[name],),
+                                       {"engine_class": classmethod(lambda cls: ShuffledEngine)})
+    try:
+        ref = Buffer(dist.group.WORLD, backend="reference", timeout_s=10)
+        auto, explicit = (Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, timeout_s=10) for _ in range(2))
+        explicit.backend = "nvlink_copy_engine"  # (a gloo group refuses it when the buffer is made)
+        for buffer in (auto, explicit):  # (a GPU's environment; the tensors stay on the CPU)
+            buffer._env = dataclasses.replace(buffer._env, cuda=True, device_sms=132)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+        topk = torch.randint(0, 4, (6, 2), generator=g)
+        topk[0] = -1
+        w = torch.rand(6, 2, generator=g)
+
+        def calls(buffer):
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, 4)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk)
+            recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, topk_weights=w, **layout)
+            (q, s), *_ = buffer.dispatch(x.float(), **layout, fp8=True)
+            y = recv_x * 2
+            order = in_order(handle)
+            rows = [t[order] for t in (recv_x, recv_idx, recv_w, q.view(torch.uint8), s)]
+            cached32 = buffer.dispatch(x.float() * 3, handle=handle)[0][order]
+            combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+            combined32 = buffer.combine(y.float(), handle)[0]
+            wr = w.clone().requires_grad_(True)
+            recv_r, _, recv_wr, *_ = buffer.dispatch(x, topk_weights=wr, **layout)
+            (recv_wr * recv_r.float().sum(1, keepdim=True)).sum().backward()  # a combine of the weights only
+            return [*rows, counts, cached32, combined, combined_w, combined32, wr.grad], handle
+
+        expected, ref_handle = calls(ref)
+        got, handle = calls(auto)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert (a == b) if isinstance(a, list) else torch.equal(a, b), i
+        assert ref_handle.transport == "reference" and isinstance(ref_handle.transport_state, ReferenceState)
+        assert handle.transport == "nvlink_copy_engine" and isinstance(handle.transport_state, DeviceState)
+        assert isinstance(handle.reference_state, ReferenceState)  # (the fp32 calls' plan of the device layout)
+        engine = handle.transport_state.engine  # (the FP8 dispatch quantized in it; every layout planned)
+        assert ("plan", Buffer.num_sms) in engine.calls and ("dispatch", Buffer.num_sms, True, False, 4) not in \
+            engine.calls and any(call[:3] == ("dispatch", Buffer.num_sms, True) for call in engine.calls)
+        per_rank, _, per_expert, in_rank, _ = explicit.get_dispatch_layout(topk, 4)
+        recv_x, _, _, _, handle, _ = explicit.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=topk)
+        with pytest.raises(EPArgumentError, match="backend='reference' can$") as refused:
+            explicit.combine(recv_x.float(), handle)
+        assert refused.value.argument == "x" and handle.transport == "nvlink_copy_engine"
+        assert torch.equal(explicit.combine(recv_x * 2, handle)[0], expected[7])  # (the buffer stays usable)
+    finally:
+        registry._CLASSES.update(saved)
+    return True
+
+
+def in_order(handle):
+    """The rows of ``handle``'s dispatch sorted by (source rank, source token): the reference transport's order."""
+    ends = handle.rank_prefix_matrix[:, handle.rank].long()
+    src = handle.recv_src_idx.long()
+    source = torch.searchsorted(ends, torch.arange(src.numel()), right=True)
+    return torch.argsort(source * (1 << 32) + src)
+
+
+def test_the_buffer_device_paths_with_an_engine_that_places_rows_out_of_order():
+    assert gloo_pool(2).run(case_device_paths_of_the_buffer) == [True, True]

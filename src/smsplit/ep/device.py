@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # (annotations only)
     from .layout import DispatchHandle
 
 MAX_TOPK = 16  # top-k columns every engine's buffer holds (its size does not depend on a call's top-k)
+MAX_ENGINE_TOKENS = 1 << 30  # tokens per rank an engine is sized for at most (rows are named by int32 indices)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class DeviceTransport(Transport):
         if engine is None:
             fits = lambda tokens: self.engine_bytes(self.num_ranks, tokens, hidden) <= self.num_nvl_bytes  # noqa
             tokens = 1
-            while fits(tokens * 2):
+            while tokens < MAX_ENGINE_TOKENS and fits(tokens * 2):
                 tokens *= 2
             low, high = tokens, tokens * 2  # the largest token count that fits lies in [low, high)
             while high - low > 1:
