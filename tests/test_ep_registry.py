@@ -59,6 +59,8 @@ def test_auto_takes_the_fastest_transport_that_can_move_the_call():
     # captured in a CUDA graph: no host synchronization
     captured = dict(captured=True, worst=8192)
     assert choose("auto", dispatch(**captured), GPU) == "nvlink"  # nvlink_copy_engine plans from a handle
+    assert choose("auto", dispatch(worst=8192), GPU) == "nvlink"  # eagerly too: the warm-up of a capture
+    assert choose("nvlink_copy_engine", dispatch(worst=8192), GPU) == "nvlink_copy_engine"
     assert choose("auto", dispatch(layout_of="nvlink_copy_engine", layout_hidden=7168, **captured),
                   GPU) == "nvlink_copy_engine"
     assert choose("auto", combine("nvlink_copy_engine", captured=True), GPU) == "nvlink_copy_engine"

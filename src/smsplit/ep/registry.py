@@ -152,7 +152,8 @@ def choose(backend: str, move: Move, env: Environment, internal: bool = False,
            capabilities_of: Callable[[str], Capabilities] = capabilities) -> str:
     """
     The transport of one call on a buffer made with ``backend``: for "auto", the first of `ORDER` that can move
-    ``move`` on ``env``; for an explicit backend, that one, or (``internal``: a backward pass, which the caller did
+    ``move`` on ``env`` (for a new layout with ``num_worst_tokens``, one that could also capture it); for an
+    explicit backend, that one, or (``internal``: a backward pass, which the caller did
     not ask for by backend) the reference transport where it cannot. ``capabilities_of``: each name's
     `Capabilities` (the registered ones'; tests pass others).
 
@@ -161,6 +162,9 @@ def choose(backend: str, move: Move, env: Environment, internal: bool = False,
             backend that can, if any.
     """
     names = candidates(backend)
+    # "auto" moves a new layout with num_worst_tokens on a transport that could capture it too: an eager warm-up
+    # and the capture of the same code then take the same transport (whose buffer the warm-up made)
+    padded_layout = move.op == "dispatch" and move.layout_of is None and move.worst > 0
     if internal and backend != AUTO:
         names = names + (REFERENCE,)
     first = unusable = None
@@ -170,6 +174,8 @@ def choose(backend: str, move: Move, env: Environment, internal: bool = False,
             trouble = environment_problem(name, env, caps)
             if trouble is not None:
                 unusable = unusable or trouble
+                continue
+            if padded_layout and caps.capture == "cached":  # (see below)
                 continue
         trouble = problem(name, move, env, caps)
         if trouble is None:
