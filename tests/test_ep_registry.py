@@ -43,9 +43,9 @@ def test_auto_takes_the_fastest_transport_that_can_move_the_call():
     assert choose("auto", dispatch(FP32), GPU) == "reference"  # fp32 values: the kernels move bf16 and e4m3 only
     assert choose("auto", dispatch(torch.float16), GPU) == "reference"
     assert choose("auto", dispatch(), CPU) == "reference"  # gloo: no device transport
-    assert choose("auto", dispatch(), dataclasses.replace(GPU, num_nvl_bytes=0)) == "reference"  # no buffer
-    assert choose("auto", dispatch(), dataclasses.replace(GPU, one_node=False)) == "reference"
-    assert choose("auto", dispatch(), dataclasses.replace(GPU, num_nvl_bytes=150 * MB)) == "reference"  # too small
+    assert choose("auto", dispatch(), GPU._replace(num_nvl_bytes=0)) == "reference"  # no buffer
+    assert choose("auto", dispatch(), GPU._replace(one_node=False)) == "reference"
+    assert choose("auto", dispatch(), GPU._replace(num_nvl_bytes=150 * MB)) == "reference"  # too small
     assert choose("auto", dispatch(hidden=200), GPU) == "reference"  # not a multiple of 128
     assert choose("auto", dispatch(num_topk=17), GPU) == "reference"
     assert choose("auto", dispatch(num_sms=200), GPU) == "reference"  # more SMs than the GPU has
@@ -297,7 +297,7 @@ def case_device_paths_of_the_buffer(rank, world_size):
         auto, explicit = (Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, timeout_s=10) for _ in range(2))
         explicit.backend = "nvlink_copy_engine"  # (a gloo group refuses it when the buffer is made)
         for buffer in (auto, explicit):  # (a GPU's environment; the tensors stay on the CPU)
-            buffer._env = dataclasses.replace(buffer._env, cuda=True, device_sms=132)
+            buffer._env = buffer._env._replace(cuda=True, device_sms=132)
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
         topk = torch.randint(0, 4, (6, 2), generator=g)

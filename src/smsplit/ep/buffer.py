@@ -145,14 +145,8 @@ class Buffer:
         self._env = self._environment(one_node=self.transport.one_node)
 
     def _environment(self, one_node: bool) -> Environment:
-        """What this buffer runs on, for the registry (the same on every rank; the GPU's SMs where a device
-        transport may run)."""
-        env = Environment(cuda=self.device.type == "cuda", one_node=one_node, num_ranks=self.group_size,
-                          num_nvl_bytes=self.num_nvl_bytes, device_sms=0, device=str(self.device))
-        if registry.may_use_gpu_sms(self.backend, env):
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            env = Environment(env.cuda, one_node, env.num_ranks, env.num_nvl_bytes, sms, env.device)
-        return env
+        """What this buffer runs on, for the registry (the same on every rank)."""
+        return registry.environment(self.backend, self.device, one_node, self.group_size, self.num_nvl_bytes)
 
     # -- the SM count (DeepEP's static API) -------------------------------------------------------------
 
@@ -250,18 +244,12 @@ class Buffer:
         Arguments:
             topk_idx: `[num_tokens, num_topk]` with `torch.int64`, the experts each token selected, `-1` for none.
             num_experts: the number of experts over all ranks, a multiple of the number of ranks.
-            previous_event: the event the current stream waits for before the call reads its inputs.
-            async_finish: also return an event recorded after the layout's work on the current stream (no effect on
-                CPU).
-            allocate_on_comm_stream: accepted for DeepEP compatibility; every backend ignores it (the results are
-                allocated on the current stream).
+            previous_event, async_finish, allocate_on_comm_stream: as for `dispatch`.
 
         Returns:
-            num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
-            num_tokens_per_rdma_rank: always None (intranode only).
-            num_tokens_per_expert: `[num_experts]` with `torch.int`, the number of tokens sent to each expert.
-            is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
-            event: the event after the computation (meaningful only with `async_finish` on CUDA).
+            num_tokens_per_rank: `[num_ranks]` `torch.int`, the tokens sent to each rank; num_tokens_per_rdma_rank:
+            None (intranode only); num_tokens_per_expert: `[num_experts]` `torch.int`, the tokens sent to each
+            expert; is_token_in_rank: `[num_tokens, num_ranks]` `torch.bool`; event: after the computation.
         """
         # Errors of the arguments' types and shapes leave the buffer usable: the same code passes them alike on every
         # rank. Any later error (ids out of range: data, which differ between ranks) aborts it (docs/ep.md, "Errors").

@@ -53,10 +53,14 @@ def make(name: str, group, device: torch.device, timeout_s: float, num_nvl_bytes
     return _CLASSES[name](group, device, timeout_s, num_nvl_bytes)
 
 
-def may_use_gpu_sms(backend: str, env: Environment) -> bool:
-    """Whether a buffer's calls may run device kernels, whose SM count must not exceed the GPU's."""
-    return any(environment_problem(name, env) is None and capabilities(name).needs_cuda
-               for name in candidates(backend))
+def environment(backend: str, device: torch.device, one_node: bool, num_ranks: int, num_nvl_bytes: int) \
+        -> Environment:
+    """The `Environment` of a buffer made with ``backend`` on ``device``; the GPU's SM count where a device transport
+    may run there (its calls' count must not exceed it)."""
+    env = Environment(device.type == "cuda", one_node, num_ranks, num_nvl_bytes, 0, str(device))
+    if any(environment_problem(name, env) is None and capabilities(name).needs_cuda for name in candidates(backend)):
+        env = env._replace(device_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+    return env
 
 
 def environment_problem(name: str, env: Environment, caps: Optional[Capabilities] = None) \
@@ -198,5 +202,5 @@ def size_hint(backend: str, num_ranks: int, max_tokens: int, hidden: int, num_to
 
 
 __all__ = ["AUTO", "BACKENDS", "DEVICE_BACKENDS", "ORDER", "REFERENCE", "candidates", "capabilities",
-           "check_backend", "choose", "environment_problem", "environment_problem_of", "make", "may_use_gpu_sms", "problem", "size_hint",
-           "transport_class"]
+           "check_backend", "choose", "environment", "environment_problem", "environment_problem_of", "make", "problem",
+           "size_hint", "transport_class"]

@@ -204,8 +204,7 @@ class Move(NamedTuple):  # (a tuple: made twice per eager call, it costs a fifth
     combine_rows: bool = False
 
 
-@dataclass(frozen=True)
-class Environment:
+class Environment(NamedTuple):
     """What a `Buffer` runs on, the same on every rank: CUDA tensors on an NCCL group, every rank on one machine
     (known after the constructor's header exchange), its ranks, `num_nvl_bytes`, and the GPU's SM count (0: no
     GPU)."""
