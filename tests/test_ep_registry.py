@@ -347,9 +347,58 @@ def in_order(handle):
     """The rows of ``handle``'s dispatch sorted by (source rank, source token): the reference transport's order."""
     ends = handle.rank_prefix_matrix[:, handle.rank].long()
     src = handle.recv_src_idx.long()
-    source = torch.searchsorted(ends, torch.arange(src.numel()), right=True)
+    source = torch.searchsorted(ends, torch.arange(src.numel(), device=src.device), right=True)
     return torch.argsort(source * (1 << 32) + src)
 
 
 def test_the_buffer_device_paths_with_an_engine_that_places_rows_out_of_order():
     assert gloo_pool(2).run(case_device_paths_of_the_buffer) == [True, True]
+
+
+def case_auto_on_one_gpu(rank, world_size):
+    """One rank on a GPU (NCCL): a buffer with "auto" and `num_nvl_bytes` for every transport takes
+    nvlink_copy_engine for BF16 and FP8 (quantized in the kernel) dispatches and their combine, nvlink for a new
+    layout with `num_worst_tokens`, the reference for fp32 values and an fp32 combine of the device layout; each
+    result equals a reference buffer's on the same inputs (rows compared in the reference's order)."""
+    T, H, E, K = 64, 256, 8, 2
+    group = dist.group.WORLD
+    auto = Buffer(group, num_nvl_bytes=Buffer.get_buffer_size_hint(T, H, 1, K, backend="auto"), num_sms=4,
+                  timeout_s=30)
+    ref = Buffer(group, backend="reference", num_sms=4, timeout_s=30)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    topk = torch.randint(0, E, (T, K), generator=g)
+    topk[torch.rand(T, K, generator=g) < 0.3] = -1
+    topk, w = topk.cuda(), torch.rand(T, K, generator=g).cuda()
+
+    def calls(buffer):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk, topk_weights=w)
+        bf16 = buffer.dispatch(x, **layout)
+        (q, s), *_, q_handle, _ = buffer.dispatch(x.float(), **layout, fp8=True)
+        f32 = buffer.dispatch(x.float(), **layout)
+        padded = buffer.dispatch(x, **layout, num_worst_tokens=T + 3)
+        handle = bf16[4]
+        combined = buffer.combine(bf16[0] * 2, handle, topk_weights=bf16[2])
+        combined32 = buffer.combine(bf16[0].float() * 3, handle)[0]
+        order, q_order = in_order(handle), in_order(q_handle)
+        padded_order = in_order(padded[4])[:padded[4].num_recv_tokens]  # (the padding rows sort last)
+        made = [h.transport for h in (handle, q_handle, f32[4], padded[4])]
+        return made, [bf16[0][order], bf16[2][order], q.view(torch.uint8)[q_order], s[q_order], f32[0],
+                      padded[0][padded_order], combined[0], combined[1], combined32]
+
+    made, got = calls(auto)
+    made_ref, expected = calls(ref)
+    assert made == ["nvlink_copy_engine", "nvlink_copy_engine", "reference", "nvlink"], made
+    assert made_ref == ["reference"] * 4
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), i
+    return True
+
+
+@pytest.mark.gpu
+def test_auto_on_a_gpu_takes_the_fastest_transport_per_call():
+    from ep_harness import process_pool
+
+    assert process_pool(1, "nccl").run(case_auto_on_one_gpu) == [True]
