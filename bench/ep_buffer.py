@@ -58,6 +58,7 @@ def roundtrip(buf, handle, in_rank, g, shape, dev) -> dict:
 def worker(rank, world, port, args, queue):
     dev = join_nccl(rank, world, port)
     from smsplit.ep import Buffer
+    from smsplit.ep.device import DeviceState
     from smsplit.fp8 import quantize_1x128
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
@@ -78,11 +79,12 @@ def worker(rank, world, port, args, queue):
                           topk_idx=topk, topk_weights=weights)
             recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
             y = torch.randn(recv_x.shape, generator=g).to(dev, torch.bfloat16)
-            tr, lay = getattr(handle, "nvlink_transport", None), getattr(handle, "nvlink_layout", None)
+            state = handle.transport_state  # a device transport's: its engine and the engine's layout
+            tr, lay = (state.engine, state.layout) if isinstance(state, DeviceState) else (None, None)
             num_local = E // world
 
             def transport_bf16():  # a cached BF16 dispatch of the transport alone
-                return tr.dispatch(x, None, topk, weights, in_rank, num_local, cached=lay)
+                return tr.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=P, cached=lay)
 
             row = {"backend": backend, "comm_sms": P,
                    "buffer_dispatch_bf16_ms": timed(lambda: buf.dispatch(x, **layout)),
@@ -93,9 +95,9 @@ def worker(rank, world, port, args, queue):
             if tr is not None:  # (the reference backend has no kernels of its own to time alone)
                 row["transport_dispatch_bf16_cached_ms"] = timed(transport_bf16)
                 row["transport_dispatch_fp8_cached_ms"] = timed(lambda: tr.dispatch(
-                    x, None, topk, weights, in_rank, num_local, quantize=True, cached=lay))
+                    x, None, topk, weights, in_rank, num_local, num_sms=P, quantize=True, cached=lay))
                 transport_bf16()
-                row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+                row["transport_combine_ms"] = timed(lambda: tr.combine(y, None, lay, num_sms=P))
             if args.queued > 1:
                 row.update({
                     "buffer_dispatch_bf16_cached_queued_ms": timed(lambda: buf.dispatch(x, handle=handle), args.queued),
@@ -105,7 +107,7 @@ def worker(rank, world, port, args, queue):
                 if tr is not None:
                     row["transport_dispatch_bf16_cached_queued_ms"] = timed(transport_bf16, args.queued)
                     transport_bf16()
-                    row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay), args.queued)
+                    row["transport_combine_queued_ms"] = timed(lambda: tr.combine(y, None, lay, num_sms=P), args.queued)
             row["roundtrip_equal"] = roundtrip(buf, handle, in_rank_b, g, x.shape, dev)
             torch.cuda.synchronize()
             dist.barrier(device_ids=[rank])

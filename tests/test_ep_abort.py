@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from smsplit.ep import Buffer, EPAbortError, EPError, EventOverlap, compute_dispatch_layout
 from smsplit.ep import host_headers
+from smsplit.ep.reference import ReferenceTransport
 from ep_harness import gloo_pool
 
 NUM_EXPERTS, HIDDEN, TOPK = 12, 128, 3
@@ -55,12 +56,12 @@ def case_rank_fails_alone(rank, world_size, where, headers):
     """Rank 0 fails in `where` (see FAILURES) while the others wait for it; returns rank 0's error message, or on
     the others (type name, message, peer, error, seconds)."""
     if headers == "group":
-        os.environ[host_headers.ENV_SWITCH] = "0"
+        ReferenceTransport.host_headers_allowed = False
     try:
         group = dist.new_group(backend="gloo")  # its connections may break; the pool's group stays intact
         buffer = Buffer(group, timeout_s=TIMEOUT_S)
     finally:
-        os.environ.pop(host_headers.ENV_SWITCH, None)
+        ReferenceTransport.host_headers_allowed = True
     args = inputs(rank, world_size)
     recv_x, _, _, _, handle, _ = buffer.dispatch(**args)  # one call that works: the ranks are in step
     if rank == 0:

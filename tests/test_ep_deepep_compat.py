@@ -109,11 +109,24 @@ def previous_event_first(rank, world_size):
         def current_stream_wait(self):
             order.append("wait")
 
+    from smsplit.ep import checks
+
     buffer = Buffer(dist.group.WORLD, timeout_s=30)
-    for name in ("_check_topk_idx", "_check_dispatch", "_check_combine"):
-        check = getattr(buffer, name)
-        setattr(buffer, name, lambda *args, _check=check, _name=name, **kwargs: (order.append(_name),
+    originals = {name: getattr(checks, name) for name in ("check_topk_idx", "check_dispatch", "check_combine")}
+    for name, check in originals.items():  # (the argument checks of every call live in smsplit.ep.checks)
+        setattr(checks, name, lambda *args, _check=check, _name=name, **kwargs: (order.append(_name),
                                                                                   _check(*args, **kwargs))[1])
+    try:
+        calls(buffer, rank, Recording)
+    finally:
+        for name, check in originals.items():
+            setattr(checks, name, check)
+    # (the dispatch's checks include the top-k check)
+    assert order == ["wait", "check_topk_idx", "wait", "check_dispatch", "check_topk_idx",
+                     "wait", "check_combine"], order
+
+
+def calls(buffer, rank, Recording):
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
     topk_idx = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOPK]
@@ -122,9 +135,6 @@ def previous_event_first(rank, world_size):
                                                  num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                                                  previous_event=Recording())
     buffer.combine(recv_x, handle, previous_event=Recording())
-    # (the dispatch's checks include the top-k check)
-    assert order == ["wait", "_check_topk_idx", "wait", "_check_dispatch", "_check_topk_idx",
-                     "wait", "_check_combine"], order
 
 
 def test_calls_wait_for_previous_event_before_reading_inputs():
@@ -214,12 +224,18 @@ def set_num_sms_and_configs(rank, world_size):
             except EPArgumentError as error:
                 errors.append((error.argument, str(error)))
         # a call captured in a CUDA graph exchanges nothing: it must run on the count of the eager calls before it
-        # (here a stand-in for the transport those calls used)
-        eager = SimpleNamespace(num_sms=24)
-        assert default._captured_sms(None, eager) == 24 and default._captured_sms(Config(24), eager) == 24
+        # (here the checks of `smsplit.ep.checks` that such a call makes, with 24 SMs in the eager calls before it)
+        from smsplit.ep import checks
+
+        def captured(config):
+            sms, _ = checks.call_sms(config, default.num_sms, False)
+            checks.captured_sms(sms, 24)
+            return sms
+
+        assert captured(None) == 24 and captured(Config(24)) == 24
         with pytest.raises(EPArgumentError, match=r"config: a call captured in a CUDA graph runs on the SM count of "
                                                   r"the eager calls before it \(24\); this one asks 16"):
-            default._captured_sms(Config(16), eager)
+            captured(Config(16))
         round_trip_with(default, rank, None)  # the buffers stay usable
         round_trip_with(budgeted, rank, Config(4))
         return errors

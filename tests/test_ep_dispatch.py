@@ -177,7 +177,8 @@ def case_reuse_and_cached(rank, world_size, seed, rounds):
     (a transport that aliased them into the next round would be caught); cached-handle dispatches in between.
     Gloo (CPU tensors) or NCCL (CUDA tensors of the current device)."""
     hint = Buffer.get_buffer_size_hint(12, 4096, world_size, 9, torch.float32)
-    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, timeout_s=10)
+    # (the reference named: on NCCL, "auto" may take a device transport for a buffer this size)
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=hint, backend="reference", timeout_s=10)
     g = torch.Generator().manual_seed(seed)
     previous = []
     for round_index in range(rounds):
@@ -253,7 +254,8 @@ def case_rows_placed_by_a_device_transport(rank, world_size, seed):
     assert q.numel() == n and (n < 4 or not torch.equal(q, torch.arange(n)))
     placed = copy.copy(handle)  # the same layout, rows where a device transport might have put them
     placed.recv_src_idx = handle.recv_src_idx[q]
-    placed.nvlink_layout = "rows placed by a device transport"
+    placed.transport_state = "rows placed by a device transport"  # (not the reference transport's own state)
+    placed.transport = "nvlink_copy_engine"
     captured = copy.copy(placed)  # as a dispatch captured in a CUDA graph leaves it: padded, no host count
     captured.num_recv_tokens, captured.num_worst_tokens = -1, n + 5
     captured.recv_src_idx = torch.cat([placed.recv_src_idx, torch.randint(-1, 50, (5,), generator=g,
@@ -384,8 +386,8 @@ def test_reference_backend_on_nccl_reuses_its_buffer_across_rounds():
 
 def test_kernel_inputs_are_made_contiguous_and_16_byte_aligned():
     """The device kernels read rows in 16-byte vectors: a view that starts mid-vector or skips elements is copied
-    (`buffer._dense`), an aligned contiguous tensor is passed as it is."""
-    from smsplit.ep.buffer import _dense
+    (`smsplit.ep.device.dense`), an aligned contiguous tensor is passed as it is."""
+    from smsplit.ep.device import dense as _dense
     from ep_harness import misaligned_copy
 
     t = torch.randn(4, 64, dtype=torch.bfloat16)

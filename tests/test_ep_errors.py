@@ -1,7 +1,6 @@
 """Invalid arguments raise a ValueError naming the argument on every rank, before any token moves, and the
 buffer stays usable; a peer that never arrives raises EPTimeoutError naming it and the phase, within the timeout."""
 
-import os
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 from smsplit.ep import Buffer, EPArgumentError, EPError, EPTimeoutError, compute_dispatch_layout
 from smsplit.ep.buffer import DEVICE_BACKENDS
-from smsplit.ep.host_headers import ENV_SWITCH
+from smsplit.ep.reference import ReferenceTransport
 from ep_harness import gloo_pool
 
 NUM_EXPERTS, HIDDEN, TOPK = 8, 256, 3
@@ -180,11 +179,11 @@ def case_ranks_out_of_step(rank, world_size):
 
 def case_through_the_group(rank, world_size, case, *args):
     """`case` with the headers exchanged through the gloo group instead of host shared memory."""
-    os.environ[ENV_SWITCH] = "0"
+    ReferenceTransport.host_headers_allowed = False
     try:
         return case(rank, world_size, *args)
     finally:
-        del os.environ[ENV_SWITCH]
+        ReferenceTransport.host_headers_allowed = True
 
 
 def case_device_backend_checks(rank, world_size):

@@ -44,8 +44,8 @@ def case_rows_arrive(rank, world_size):
 
 
 def case_switched_off_or_unmappable(rank, world_size, how):
-    if how == "environment":
-        os.environ[host_headers.ENV_SWITCH] = "0"
+    if how == "switched_off":
+        ReferenceTransport.host_headers_allowed = False
     elif how == "unmappable" and rank == world_size - 1:
         host_headers.SHM_DIR = "/nonexistent-smsplit"  # this rank cannot open rank 0's file
     elif how == "uncreatable" and rank == 0:
@@ -59,7 +59,7 @@ def case_switched_off_or_unmappable(rank, world_size, how):
         dist.barrier()
         return os.getpid()
     finally:
-        os.environ.pop(host_headers.ENV_SWITCH, None)
+        ReferenceTransport.host_headers_allowed = True
         host_headers.SHM_DIR = "/dev/shm"
 
 
@@ -108,7 +108,7 @@ def test_rows_arrive_through_shared_memory_and_leave_no_file(world_size):
     assert not glob.glob(os.path.join("/dev/shm", f"smsplit-ep-{pids[0]}-*"))
 
 
-@pytest.mark.parametrize("how", ["environment", "unmappable", "uncreatable"])
+@pytest.mark.parametrize("how", ["switched_off", "unmappable", "uncreatable"])
 def test_falls_back_to_the_group(how):
     pids = gloo_pool(2).run(case_switched_off_or_unmappable, how)
     assert not glob.glob(os.path.join("/dev/shm", f"smsplit-ep-{pids[0]}-*"))

@@ -730,8 +730,11 @@ def _poison_device_buffers(buf, rank):
     barriers: the first once every peer is done with the last call's rows, the second before any peer writes again."""
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])  # (every peer done with them)
-    for transport in buf._nvlink_transports.values():
-        transport.buffer[transport.offsets["x" if "x" in transport.offsets else "sx"]:].fill_(0x7F)
+    from smsplit.ep.device import DeviceTransport
+
+    for transport in buf._transports.values():
+        for engine in transport.engines() if isinstance(transport, DeviceTransport) else ():
+            engine.buffer[engine.offsets["x" if "x" in engine.offsets else "sx"]:].fill_(0x7F)
     torch.cuda.synchronize()
     dist.barrier(device_ids=[rank])
 
@@ -772,9 +775,15 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="ra
             back, _, _ = buf.combine((recv.float() * (rank + 2)).to(torch.bfloat16), handle)
             back.float().pow(2).sum().backward()
             combined, combined_w, _ = buf.combine(misaligned_copy(bf16[0]), bf16[4], topk_weights=bf16[2])
-            # what such a handle sends through the reference transport (fp32 rows, the weights-only backward passes)
-            # follows the rows where the device transport put them
-            c32, c32_w, _ = buf.combine(bf16[0].float() * 3.0, bf16[4], topk_weights=bf16[2])
+            # fp32 rows: the device backends combine bf16 only, so an explicit one refuses them, naming the backend
+            # that can (backend="auto" would take it); what such a handle sends through the reference transport
+            # (the weights-only backward passes) follows the rows where the device transport put them
+            if name == backend:
+                from smsplit.ep import EPArgumentError
+
+                with pytest.raises(EPArgumentError, match="backend='reference' can") as refused:
+                    buf.combine(bf16[0].float() * 3.0, bf16[4], topk_weights=bf16[2])
+                assert refused.value.argument == "x", str(refused.value)
             wr = w.clone().requires_grad_(True)
             recv_r, _, recv_wr, _, _, _ = buf.dispatch(x, **{**common, "topk_weights": wr})
             (recv_wr * recv_r.float().sum(1, keepdim=True)).sum().backward()  # a combine of the weights only
@@ -802,7 +811,7 @@ def _buffer_worker(rank, world, port, backend="nvlink", H=2048, K=6, routing="ra
                 q32_rows = in_reference_order(q32_rows, q32[4], rank)
                 qin_rows = [in_reference_order(t, qin[4], rank) for t in qin_rows]
             outs[name] = (*bf16_rows, bf16[3], *q_rows, combined, combined_w, back, xg.grad, q32_rows, *qin_rows,
-                          c32, c32_w, wr.grad, cw_grad, cb_grad, *(b.grad for b in bias_g), *cached_rows)
+                          wr.grad, cw_grad, cb_grad, *(b.grad for b in bias_g), *cached_rows)
         _assert_outputs_equal(outs[backend], outs["reference"], f"seed {seed}")
         # the device kernels round the sum to bf16 before the biases are added: one rounding more (half a unit in
         # the last place of the sum); a wrong row or bias would be off by about 1
@@ -927,7 +936,7 @@ def _buffer_sms_worker(rank, world, port, backend):
             combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2], config=config)
             if name != "reference":
                 for handle in (bf16[4], q[4]):
-                    assert handle.nvlink_transport.num_sms == expected, (step, handle.nvlink_transport.num_sms)
+                    assert handle.transport_state.last_num_sms == expected, (step, handle.transport_state)
             rows = [bf16[0], q[0][0].view(torch.uint8), q[0][1]]
             if name == "nvlink_copy_engine":
                 rows = [in_reference_order(rows[0], bf16[4], rank)] + [in_reference_order(t, q[4], rank)
@@ -1381,7 +1390,7 @@ def _buffer_graph_cached_worker(rank, world, port):
                                                   num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w,
                                                   num_worst_tokens=worst)
         handles[name] = (handle, recv_w)
-    split = handles["fast"][0].nvlink_layout.splits[("dispatch", 1.0)]
+    split = handles["fast"][0].transport_state.layout.splits[("dispatch", 1.0)]
     assert split.copies and split.fill_from < T  # the copy engines move a prefix with holes
 
     def step(buf, handle, recv_w):

@@ -38,14 +38,9 @@ SHM_DIR = "/dev/shm"
 MAX_WORDS = 1 << 16  # payload capacity of a slot in int64 words (512 KiB; pages are touched only as used)
 SLOT_HEAD = 3  # round, words, crc32
 GAVE_UP = -2  # the words of a slot whose rank timed out waiting in that round (a late peer then raises too)
-ENV_SWITCH = "SMSPLIT_EP_HOST_HEADERS"  # "0": exchange headers through the process group instead
 ABORT_HEAD = 4  # state (1 once written), code, cause, nbytes
 ABORT_MESSAGE_WORDS = 128  # the message: up to 1 KiB of UTF-8
 ABORT_WORDS = ABORT_HEAD + ABORT_MESSAGE_WORDS
-
-
-def enabled_by_environment() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 class HostHeaders:

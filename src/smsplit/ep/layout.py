@@ -9,16 +9,16 @@ import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..launch import FastLaunch
-
-SCALE_BLOCK = 128  # FP8 values per fp32 scale
-ROW_ALIGN = 16     # bytes; every per-token message is padded to this
+# (the sizes and row bookkeeping every transport shares, in a module without Triton for the reference transport)
+from .rows import (ROW_ALIGN, SCALE_BLOCK, align_up, buffer_bytes, combine_row_bytes, dispatch_row_bytes,  # noqa: F401
+                   rank_prefix_matrix_from_counts, region_offsets, to_local_expert_ids)
 
 
 MAX_KERNEL_TOPK = 16  # the layout kernels unroll a loop over pairs of top-k columns: more columns take torch's way
@@ -201,45 +201,6 @@ def _on_device_of(t: torch.Tensor):
     return contextlib.nullcontext() if t.device.index == torch.cuda.current_device() else torch.cuda.device(t.device)
 
 
-def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
-    """Global expert ids -> ids local to `rank` (`0 .. num_local_experts - 1`), -1 for experts on other ranks."""
-    local = topk_idx - rank * num_local_experts
-    return torch.where((local >= 0) & (local < num_local_experts) & (topk_idx >= 0), local, -1)
-
-
-def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
-
-
-def region_offsets(sizes: dict, alignment: int) -> Tuple[dict, int]:
-    """Where each region of a buffer starts when ``sizes`` (name -> bytes, in order) are laid out one after the
-    other, each padded to ``alignment``: ``(offsets, total bytes)``."""
-    offsets, total = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = total
-        total += align_up(size, alignment)
-    return offsets, total
-
-
-def dispatch_row_bytes(hidden: int, x_element_size: int, with_scales: bool, num_topk: int) -> int:
-    """Bytes of one dispatched token: its values, its FP8 scales, top-k ids (int64) and weights (fp32), source index (int32)."""
-    scale_bytes = (hidden // SCALE_BLOCK) * 4 if with_scales else 0
-    return align_up(hidden * x_element_size + scale_bytes + num_topk * (8 + 4) + 4, ROW_ALIGN)
-
-
-def combine_row_bytes(hidden: int, x_element_size: int, num_topk: int) -> int:
-    """Bytes of one combined token: its values and its top-k weights (fp32)."""
-    return align_up(hidden * x_element_size + num_topk * 4, ROW_ALIGN)
-
-
-def buffer_bytes(num_max_tokens_per_rank: int, num_ranks: int, row_bytes: int, header_words: int) -> int:
-    """
-    The receive area a rank needs: one slot of `num_max_tokens_per_rank` rows for each source rank (a push
-    transport writes into its slot without coordinating with other senders), plus one header per rank.
-    """
-    return num_ranks * (num_max_tokens_per_rank * row_bytes + align_up(header_words * 8, ROW_ALIGN))
-
-
 @dataclass
 class DispatchHandle:
     """
@@ -261,8 +222,13 @@ class DispatchHandle:
         num_recv_tokens: the number of tokens received (the rows of `recv_x` before padding).
         num_worst_tokens: rows of the received tensors (padded) when positive; 0 for unpadded.
         num_local_experts: experts held by each rank (0 if the dispatch that made the handle had no top-k).
-        transport_state: whatever the transport precomputed for this layout (the reference transport keeps the
-            host-side send and receive counts here).
+        hidden: the hidden size of the dispatch that made it (0: weights only).
+        transport: the name of the transport whose dispatch made this layout and placed its rows
+            (`smsplit.ep.registry`), the same on every rank.
+        transport_state: that transport's own state for this layout, a dataclass of its own
+            (`smsplit.ep.reference.ReferenceState`, `smsplit.ep.device.DeviceState`).
+        reference_state: the reference transport's plan of a layout that another transport made (made when the
+            reference first moves rows of it: a dtype the device kernels do not move, a weights-only backward).
         round: the number of the `Buffer` call that made it, the same on every rank: a cached dispatch or a
             combine checks that every rank passes the handle of the same call.
     """
@@ -276,7 +242,10 @@ class DispatchHandle:
     num_recv_tokens: int
     num_worst_tokens: int
     num_local_experts: int
+    hidden: int = 0
+    transport: str = ""
     transport_state: Any = None
+    reference_state: Any = None
     round: int = 0
 
     def __getitem__(self, index: int):
@@ -350,9 +319,3 @@ def _remember_tuple(handle: DispatchHandle) -> None:
     _TUPLE_HANDLES[id(src)] = _TupleEntry(weakref.ref(src), weakref.ref(handle), rest)
     # (called while the tensor is freed, before its id can name another object)
     weakref.finalize(src, _TUPLE_HANDLES.pop, id(src), None)
-
-
-def rank_prefix_matrix_from_counts(tokens_from_to: List[List[int]], device: Optional[torch.device] = None) \
-        -> torch.Tensor:
-    """`[i][j]` = tokens rank i sends to rank j  ->  the cumulative `[num_ranks, num_ranks]` int32 matrix."""
-    return torch.tensor(tokens_from_to, dtype=torch.int32, device=device).cumsum(dim=0, dtype=torch.int32)

@@ -5,7 +5,7 @@ peer (the rows for that peer packed into bytes) and waits for each peer separate
 Waits are bounded by `timeout_s`: gloo waits with a timeout, other backends poll `work.is_completed()`. After a
 timeout the group's connection to that peer may be closed (gloo closes it), so the transport refuses further use.
 The headers (the few int64 rows every `Buffer` call exchanges first) go through host shared memory where every rank
-is on this machine (`smsplit.ep.host_headers`; ``SMSPLIT_EP_HOST_HEADERS=0`` turns that off), else through the group.
+is on this machine (`smsplit.ep.host_headers`), else through the group.
 
 The same shared memory (set up either way, where the ranks share a machine) carries the aborts: `abort` tells the
 peers that this rank failed on its own, and every wait here watches the peers' entries (and, in the header exchange
@@ -17,25 +17,64 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .host_headers import HostHeaders, enabled_by_environment
+from .header import HEADER_WORDS
+from .host_headers import HostHeaders
 if TYPE_CHECKING:  # (annotations only: the layout module holds Triton kernels, which this one needs not)
     from .layout import DispatchHandle
-from .transport import EPAbortError, EPError, EPTimeoutError, Transport, all_gather_into_tensor, poll_until
+from .rows import buffer_bytes, combine_row_bytes, dispatch_row_bytes, rank_prefix_matrix_from_counts, to_local_expert_ids
+from .transport import (Capabilities, EPAbortError, EPError, EPTimeoutError, Received, Tokens, Transport,
+                        all_gather_into_tensor, poll_until)
+
+FLOAT_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
 
 
 @dataclass
-class ReferenceLayout:
-    """Host-side counts of one layout (`handle.transport_state` of the reference transport)."""
+class ReferenceState:
+    """The reference transport's plan of one layout, host-side counts (`handle.transport_state` of a layout it made;
+    `handle.reference_state` of one another transport made)."""
 
     send_token_idx: List[torch.Tensor]  # per destination rank: this rank's token indices it sends there, ascending
     send_counts: List[int]              # per destination rank
     recv_counts: List[int]              # per source rank
     recv_offsets: List[int]             # per source rank: first row of its tokens in the received tensors
+    # rows another transport placed: this transport's row i is the handle's row rows[i] (None: the same rows)
+    rows: Optional[torch.Tensor] = None
+
+
+def _reference_bytes(num_ranks: int, max_tokens: int, hidden: int, num_topk: int = 0,
+                     x_dtype: Optional[torch.dtype] = torch.bfloat16, fp8: bool = False,
+                     combine_dtype: Optional[torch.dtype] = torch.bfloat16, combine_only: bool = False) -> int:
+    """The reference formula (docs/ep.md, `get_buffer_size_hint`): one slot per source rank holding all of that
+    rank's tokens, each row the larger of a dispatch row and a combine row, plus one header per rank.
+    ``combine_only``: the combine rows alone (a combine, and the backward of a combine)."""
+    x_dtype = x_dtype if x_dtype in FLOAT_DTYPES else torch.bfloat16
+    combine_dtype = combine_dtype if combine_dtype in FLOAT_DTYPES else torch.bfloat16
+    row = combine_row_bytes(hidden, combine_dtype.itemsize, num_topk)
+    if not combine_only:
+        row = max(row, dispatch_row_bytes(hidden, 1 if fp8 else x_dtype.itemsize, fp8, num_topk))
+    return buffer_bytes(max_tokens, num_ranks, row, HEADER_WORDS + num_ranks)
+
+
+def _rows_to_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Rows of ``t`` in another transport's order -> this transport's (padding rows past ``perm`` kept)."""
+    if t is None or perm is None:
+        return t
+    return torch.cat([t.index_select(0, perm.to(t.device)), t[perm.numel():]])
+
+
+def _rows_from_reference(t: Optional[torch.Tensor], perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The inverse of `_rows_to_reference`."""
+    if t is None or perm is None:
+        return t
+    out = torch.empty_like(t)
+    out[perm.to(t.device)] = t[:perm.numel()]
+    out[perm.numel():] = t[perm.numel():]
+    return out
 
 
 def pack_rows(fields: List[torch.Tensor]) -> torch.Tensor:
@@ -67,6 +106,17 @@ class ReferenceTransport(Transport):
     phase)."""
 
     name = "reference"
+    # Headers through host shared memory where every rank is on one machine. Tests set this False (before the
+    # transport is made) to run the path through the group on one machine; the shared file still carries aborts.
+    host_headers_allowed = True
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        every = FLOAT_DTYPES | {torch.float8_e4m3fn}
+        return Capabilities(moves=every, quantizes=frozenset(), combines=FLOAT_DTYPES, weights_only=True,
+                            capture="never", reads_any_layout=True, needs_cuda=False, one_node=False,
+                            needs_buffer=False, hidden_multiple=1, max_topk=0, max_ranks=0,
+                            buffer_bytes=_reference_bytes)
 
     def __init__(self, group, device: torch.device, timeout_s: float) -> None:
         super().__init__(group, device, timeout_s)
@@ -76,7 +126,7 @@ class ReferenceTransport(Transport):
         self._header_stream = None  # NCCL: a stream of its own for the header exchange (made at the first one)
         # Headers through host shared memory where every rank is on this machine (set up at the first exchange,
         # False where it cannot be), else through the group.
-        self._host_headers = None if enabled_by_environment() else False
+        self._host_headers = None if self.host_headers_allowed else False
         self._shared = None  # the shared file (headers and aborts; None until the first exchange, False: none)
         self.header_rounds = 0  # header exchanges made (the measure of progress in abort entries)
         self._ended_checked = 0.0
@@ -270,23 +320,100 @@ class ReferenceTransport(Transport):
                 self._wait_any(work, op, what, peers, deadline)
             return gathered[:, self.rank].cpu()  # row q: what rank q sent this rank
 
-    def _layout(self, handle: "DispatchHandle") -> ReferenceLayout:
-        """The handle's plan for this transport (`handle.transport_state`), made at its first use (a layout the
-        NVLink kernels move never needs it)."""
-        if not isinstance(handle.transport_state, ReferenceLayout):
-            prefix = handle.rank_prefix_matrix.cpu().tolist()
-            column = [row[self.rank] for row in prefix]
-            recv_counts = [column[0]] + [column[p] - column[p - 1] for p in range(1, self.num_ranks)]
-            send_token_idx = [torch.nonzero(handle.is_token_in_rank[:, p]).flatten() for p in range(self.num_ranks)]
-            handle.transport_state = ReferenceLayout(
-                send_token_idx=send_token_idx,
-                send_counts=[int(idx.numel()) for idx in send_token_idx],
-                recv_counts=recv_counts,
-                recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)])
-        return handle.transport_state
+    @property
+    def one_node(self) -> bool:
+        """Whether every rank is on this machine (the header file in shared memory is mapped by every rank: known,
+        and the same on every rank, after the first header exchange)."""
+        return bool(self._shared)
 
-    def dispatch(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor]) -> List[torch.Tensor]:
-        layout = self._layout(handle)
+    def check_usable(self) -> None:
+        """Raise `EPError` if this transport failed (a timeout, a lost peer, an abort): the group's connections may
+        be broken."""
+        self._check_usable()
+
+    # -- the layout ---------------------------------------------------------------------------------------------
+
+    def _state(self, handle: "DispatchHandle", counts: Optional[List[List[int]]] = None) -> ReferenceState:
+        """This transport's plan of ``handle``: made here by an uncached dispatch (``counts`` from the header
+        exchange, else from ``rank_prefix_matrix``), or at the first use of a layout another transport made (its
+        rows as that transport placed them)."""
+        if isinstance(handle.transport_state, ReferenceState):
+            return handle.transport_state
+        if handle.transport_state is None:  # a new layout of this transport
+            handle.rank_prefix_matrix = rank_prefix_matrix_from_counts(counts, self.device)
+            column = [sum(row[self.rank] for row in counts[:p + 1]) for p in range(self.num_ranks)]
+            handle.transport_state = self._plan(handle, column, None)
+            return handle.transport_state
+        if handle.reference_state is None:
+            column = handle.rank_prefix_matrix[:, self.rank].cpu().tolist()
+            handle.reference_state = self._plan(handle, column, self._placed_rows(handle))
+        return handle.reference_state
+
+    def _plan(self, handle: "DispatchHandle", column: List[int], rows: Optional[torch.Tensor]) -> ReferenceState:
+        recv_counts = [column[0]] + [column[p] - column[p - 1] for p in range(1, self.num_ranks)]
+        send_token_idx = [torch.nonzero(handle.is_token_in_rank[:, p]).flatten() for p in range(self.num_ranks)]
+        return ReferenceState(send_token_idx=send_token_idx,
+                              send_counts=[int(idx.numel()) for idx in send_token_idx], recv_counts=recv_counts,
+                              recv_offsets=[column[p] - recv_counts[p] for p in range(self.num_ranks)], rows=rows)
+
+    @staticmethod
+    def _placed_rows(handle: "DispatchHandle") -> torch.Tensor:
+        """For a layout whose rows another transport placed: ``perm`` (int64 ``[num_recv_tokens]``) with this
+        transport's row i = the handle's row ``perm[i]``. This transport puts the rows from each source in the
+        source's token order; a device transport need not (`nvlink_copy_engine` fills rows its copies skip with
+        later tokens), and ``recv_src_idx`` names each row's token. Made on the device (no host synchronization)."""
+        # a handle made inside a CUDA graph capture has no host count (-1): its recv_src_idx covers every padded row,
+        # and rows past the received ones get source R here, so they stay after them, among themselves
+        n = handle.num_recv_tokens if handle.num_recv_tokens >= 0 else handle.recv_src_idx.numel()
+        ends = handle.rank_prefix_matrix[:, handle.rank].to(torch.int64)  # where each source's rows end
+        rows = torch.arange(n, dtype=torch.int64, device=ends.device)
+        source = torch.searchsorted(ends, rows, right=True)
+        key = source * 2**32 + handle.recv_src_idx[:n].to(device=ends.device, dtype=torch.int64)
+        return torch.argsort(key, stable=True)
+
+    # -- Transport ----------------------------------------------------------------------------------------------
+
+    def dispatch(self, handle: "DispatchHandle", tokens: Tokens, *, num_sms: int, stream=None) -> Received:
+        """`Transport.dispatch` (``num_sms`` and ``stream`` have no effect: the messages are torch.distributed's).
+        FP8 values come quantized (`Capabilities.quantizes` is empty)."""
+        cached = handle.transport_state is not None
+        state = self._state(handle, tokens.counts)
+        fields = [tokens.values, tokens.scales, tokens.topk_idx, tokens.topk_weights]
+        payload = [t for t in fields if t is not None]
+        if not cached:
+            num_tokens = handle.num_tokens
+            payload.append(torch.arange(num_tokens, dtype=torch.int32, device=self.device).view(num_tokens, 1))
+        received = iter(self.move_rows("dispatch", handle, payload, state))
+        got = [_rows_from_reference(next(received), state.rows) if t is not None else None for t in fields]
+        if not cached:  # padded to the received rows, as DeepEP's, with -1 (DeepEP leaves them unwritten)
+            handle.recv_src_idx = next(received)[:, 0].contiguous()
+            handle.recv_src_idx[handle.num_recv_tokens:] = -1
+        values, scales, topk_idx, topk_weights = got
+        if topk_idx is not None:
+            topk_idx[handle.num_recv_tokens:] = -1
+            topk_idx = to_local_expert_ids(topk_idx, self.rank, tokens.num_local_experts)
+        return Received(values, scales, topk_idx, topk_weights)
+
+    def combine(self, handle: "DispatchHandle", x: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
+                num_sms: int, stream=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """`Transport.combine`: fp32 sums (``num_sms`` and ``stream`` have no effect)."""
+        state = self._state(handle)
+        rows = handle.num_recv_rows
+        summed_x, summed_weights = self.sum_rows(
+            "combine", handle, [_rows_to_reference(x[:rows], state.rows) if x is not None else None,
+                                _rows_to_reference(topk_weights[:rows], state.rows) if topk_weights is not None
+                                else None], state)
+        return summed_x, summed_weights
+
+    # -- rows of any dtypes -------------------------------------------------------------------------------------
+
+    def move_rows(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor], state: ReferenceState) \
+            -> List[torch.Tensor]:
+        """
+        Per-token rows `[num_tokens, k_i]` of any dtypes to the ranks in `handle.is_token_in_rank`; returned as
+        `[handle.num_recv_rows, k_i]`, ordered by source rank then token; padding rows zero.
+        """
+        layout = state
         widths = [_inner_numel(f) * f.element_size() for f in fields]
         row_bytes = sum(widths)
         send = [pack_rows([f[idx] for f in fields]).flatten() for idx in layout.send_token_idx]
@@ -303,9 +430,12 @@ class ReferenceTransport(Transport):
                 col += w
         return out
 
-    def combine(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]]) \
-            -> List[Optional[torch.Tensor]]:
-        layout = self._layout(handle)
+    def sum_rows(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]],
+                 state: ReferenceState) -> List[Optional[torch.Tensor]]:
+        """The reverse of `move_rows`: fields `[handle.num_recv_rows, k_i]` (or None) back to their tokens' ranks,
+        summed there in fp32: `[num_tokens, k_i]` float32 (None where the field was None); zero for tokens
+        dispatched nowhere."""
+        layout = state
         present = [f for f in fields if f is not None]
         widths = [_inner_numel(f) * f.element_size() for f in present]
         row_bytes = sum(widths)

@@ -1,22 +1,18 @@
-"""The interface between `Buffer` and the code that moves bytes between ranks, and the errors it raises.
+"""The interface between `Buffer` and the code that moves tokens between ranks (`Transport`), what a transport can
+move (`Capabilities`) and what a call asks of it (`Move`), and the errors they raise.
 
-`Buffer` validates arguments, computes layouts, quantizes to FP8, builds handles and wires autograd; a transport
-only moves data. `ReferenceTransport` implements these three calls; the NVLink kernels (`smsplit.ep.nvlink`) have an
-interface of their own (a fused dispatch with FP8 and top-k conversion inside the kernel) that `Buffer` calls
-for `backend="nvlink"`, keeping the reference transport for the host-side header exchange:
-
-1. `exchange_headers`: every rank sends one small int64 row to every rank (the notify step: counts, status,
-   argument agreement). The result is on the host; this is where a missing peer is detected.
-2. `dispatch`: per-token rows go to the ranks in `handle.is_token_in_rank`; the receiver stores them ordered by
-   source rank, then by token index. What a transport precomputes for a layout it keeps in
-   `handle.transport_state`, made at the layout's first use.
-3. `combine`: the reverse, summing in fp32 the copies that return to each token.
+`Buffer` checks arguments, agrees on them with the other ranks (a header exchange), builds handles and wires
+autograd; a transport only moves tokens. Four implement the protocol: the reference transport
+(`smsplit.ep.reference`, point-to-point `torch.distributed` messages, any device) and the three device transports of
+`smsplit.ep.device` (SM push, copy-engine-assisted SM push, copy engine). `smsplit.ep.registry` names them and
+chooses one per call; it is the only place that compares backend names.
 """
 
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,6 +90,18 @@ class EPArgumentError(ValueError):
         self.argument = argument
 
 
+def reject(argument: str, message: str) -> EPArgumentError:
+    """The `EPArgumentError` of ``argument``, its message starting with the argument's name."""
+    return EPArgumentError(argument, f"{argument}: {message}")
+
+
+def on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that every rank raises in the same call (an argument error the header exchange made
+    every rank see, or a check of a captured call, which every rank captures alike): it does not abort the buffer."""
+    error.on_every_rank = True
+    return error
+
+
 def worst_tokens_error(rank: int, received: int, num_worst_tokens: int, more: str = "") -> EPArgumentError:
     """The error of a rank that receives more tokens than its `num_worst_tokens` (``more``: appended to the message)."""
     return EPArgumentError("num_worst_tokens", f"num_worst_tokens: rank {rank} receives {received} tokens, more than "
@@ -116,9 +124,139 @@ def check_num_worst_tokens(received: Sequence[int], num_worst_tokens: Sequence[i
             raise worst_tokens_error(rank, got, worst)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """
+    What a transport can move: the one declaration (`Transport.capabilities`) that the registry's choice and the
+    argument checks read.
+
+    Attributes:
+        moves: dtypes of values a dispatch moves as they are.
+        quantizes: dtypes a dispatch with ``fp8=True`` quantizes to e4m3 inside its kernels (any other dtype with
+            ``fp8=True``: `Buffer` quantizes first and hands over e4m3 values, when ``moves`` has e4m3).
+        combines: dtypes a combine sums.
+        weights_only: whether it moves top-k weights without values (the weights-only backward passes).
+        capture: inside a CUDA graph capture: "never", "cached" (dispatches with a handle, and combines) or
+            "always" (with ``num_worst_tokens``).
+        reads_any_layout: whether a cached dispatch or a combine may reuse a layout another transport made (its
+            rows where that transport placed them); else only its own.
+        needs_cuda: needs an NCCL group and CUDA tensors.
+        one_node: needs every rank on one machine (symmetric memory).
+        needs_buffer: needs `num_nvl_bytes` > 0 (its buffer is allocated, per hidden size, at the first dispatch);
+            else 0 means "allocate per call" and only a positive `num_nvl_bytes` is checked.
+        hidden_multiple: the hidden size must be a multiple of this.
+        max_topk: the most top-k columns it moves (0: any).
+        max_ranks: the most ranks it serves (0: any).
+        buffer_bytes: ``buffer_bytes(num_ranks, max_tokens, hidden, num_topk, x_dtype, fp8, combine_dtype,
+            combine_only)``: the `num_nvl_bytes` a dispatch of ``max_tokens`` tokens per rank needs (``combine_only``:
+            a dispatch that carries a combine's rows back, the backward of a combine).
+    """
+
+    moves: FrozenSet[torch.dtype]
+    quantizes: FrozenSet[torch.dtype]
+    combines: FrozenSet[torch.dtype]
+    weights_only: bool
+    capture: str
+    reads_any_layout: bool
+    needs_cuda: bool
+    one_node: bool
+    needs_buffer: bool
+    hidden_multiple: int
+    max_topk: int
+    max_ranks: int
+    buffer_bytes: Callable[..., int]
+
+
+class Move(NamedTuple):  # (a tuple: made twice per eager call, it costs a fifth of a frozen dataclass)
+    """
+    What one call asks a transport to move, from arguments every rank agrees on (the header exchange checks them),
+    so that every rank chooses the same transport (`smsplit.ep.registry.choose`).
+
+    Attributes:
+        op: "dispatch" or "combine".
+        dtype: the values' dtype (e4m3 for FP8 input), None for weights only.
+        quantize: ``fp8=True`` with floating-point values.
+        hidden: the values' hidden size (0 for weights only).
+        num_topk: top-k columns.
+        max_tokens: the most tokens a rank dispatches (checked against a buffer's size; 0 for a combine, whose
+            dispatch was checked).
+        num_sms: the call's SM count; ``sms_argument``: the argument it came from ("config" or "num_sms").
+        layout_of: the transport whose dispatch made the layout reused (a cached dispatch, a combine), else None.
+        layout_hidden: the hidden size of the dispatch that made that layout (0: none).
+        captured: the call is being captured into a CUDA graph.
+        worst: ``num_worst_tokens`` of the call (or of its handle's dispatch).
+        combine_rows: a dispatch that carries a combine's rows back (the backward of a combine): its size is
+            checked against the combine rows alone.
+    """
+
+    op: str
+    dtype: Optional[torch.dtype]
+    quantize: bool = False
+    hidden: int = 0
+    num_topk: int = 0
+    max_tokens: int = 0
+    num_sms: int = 1
+    sms_argument: str = "num_sms"
+    layout_of: Optional[str] = None
+    layout_hidden: int = 0
+    captured: bool = False
+    worst: int = 0
+    combine_rows: bool = False
+
+
+class Environment(NamedTuple):
+    """What a `Buffer` runs on, the same on every rank: CUDA tensors on an NCCL group, every rank on one machine
+    (known after the constructor's header exchange), its ranks, `num_nvl_bytes`, and the GPU's SM count (0: no
+    GPU)."""
+
+    cuda: bool
+    one_node: bool
+    num_ranks: int
+    num_nvl_bytes: int
+    device_sms: int
+    device: str = "cpu"
+
+
+@dataclass
+class Tokens:
+    """
+    The payload of one dispatch (`Transport.dispatch`).
+
+    Attributes:
+        values: ``[num_tokens, hidden]`` values (e4m3 with ``scales`` for FP8), None for weights only.
+        scales: ``[num_tokens, hidden // 128]`` float32 FP8 scales, or None.
+        topk_idx: ``[num_tokens, k]`` int64 global expert ids, or None (none in the cached mode).
+        topk_weights: ``[num_tokens, k]`` float32, or None.
+        quantize: quantize ``values`` to e4m3 inside the transport's kernels (its `Capabilities.quantizes`).
+        num_local_experts: experts per rank (for the local expert ids the received top-k ids become).
+        counts: an eager uncached dispatch's ``counts[i][j]``, tokens rank i sends to rank j (from the header
+            exchange), else None.
+    """
+
+    values: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor] = None
+    topk_idx: Optional[torch.Tensor] = None
+    topk_weights: Optional[torch.Tensor] = None
+    quantize: bool = False
+    num_local_experts: int = 0
+    counts: Optional[List[List[int]]] = None
+
+
+@dataclass
+class Received:
+    """What a dispatch returns: ``[handle.num_recv_rows, ...]`` tensors, None where nothing of that kind moved;
+    ``topk_idx`` as local expert ids (-1 for experts elsewhere and on padding rows), ``scales`` with FP8 values."""
+
+    values: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+
+
 class Transport:
     """
-    Moves bytes between the ranks of one process group.
+    Moves tokens between the ranks of one process group: the protocol every transport implements. The SM count
+    and the stream come with each call; nothing about a call is set on the transport beforehand.
 
     Attributes:
         name: the backend name (`Buffer(backend=...)`).
@@ -138,44 +276,44 @@ class Transport:
         self.device = device
         self.timeout_s = timeout_s
 
-    def exchange_headers(self, op: str, what: str, rows: torch.Tensor) -> torch.Tensor:
-        """
-        Arguments:
-            op: the operation, for error messages ("dispatch", "combine", "init").
-            what: what the rows are, for error messages ("counts", "status", "expert counts").
-            rows: `[num_ranks, width]` int64 host tensor; row `p` goes to rank `p`; `width` is the same on all ranks.
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        """What this transport can move (see `Capabilities`)."""
+        raise NotImplementedError
 
-        Returns:
-            `[num_ranks, width]` int64 host tensor; row `p` came from rank `p` (row `rank` is this rank's own).
+    def dispatch(self, handle: "DispatchHandle", tokens: Tokens, *, num_sms: int, stream=None) -> Received:
+        """
+        Send each token to the ranks in ``handle.is_token_in_rank``, on ``num_sms`` SMs (the same on every rank) and
+        ``stream`` (None: the current stream). A handle whose ``transport_state`` is None is a new layout: the
+        transport records what it made of it (``handle.transport_state``, its `rank_prefix_matrix` and
+        ``recv_src_idx``); else the cached mode reuses it. Received rows are ordered by source rank and, within a
+        source, as the transport places them (``recv_src_idx`` names each row's token); padding rows (past
+        ``handle.num_recv_tokens``) are zero, their top-k ids -1.
         """
         raise NotImplementedError
 
-    def dispatch(self, op: str, handle: "DispatchHandle", fields: List[torch.Tensor]) -> List[torch.Tensor]:
+    def combine(self, handle: "DispatchHandle", x: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], *,
+                num_sms: int, stream=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """
-        Arguments:
-            op: the operation, for error messages.
-            handle: the layout.
-            fields: tensors of shape `[num_tokens, k_i]` (any dtypes), the per-token payload.
-
-        Returns:
-            tensors of shape `[handle.num_recv_rows, k_i]`, same dtypes: received rows ordered by source rank, then
-            token index; rows past `handle.num_recv_tokens` (padding) are zero.
+        The reverse of the dispatch that made ``handle``: rows ``[handle.num_recv_rows, hidden]`` (padding rows
+        ignored) go back to their tokens' ranks, which sum them in fp32. Returns ``(summed x, summed weights)``:
+        ``[num_tokens, ...]``, x as fp32 or rounded once to its dtype, the weights fp32; None where the input was.
         """
         raise NotImplementedError
 
-    def combine(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]]) \
-            -> List[Optional[torch.Tensor]]:
-        """
-        Arguments:
-            op: the operation, for error messages.
-            handle: the layout of the dispatch being reversed.
-            fields: tensors of shape `[handle.num_recv_rows, k_i]` (floating point) or None; padding rows are ignored.
+    def plan(self, handle: "DispatchHandle", *, num_sms: int) -> None:
+        """Make on the host whatever later calls with ``handle`` on ``num_sms`` SMs need, so that they can be
+        captured in a CUDA graph (a host synchronization). Nothing by default."""
 
-        Returns:
-            `[num_tokens, k_i]` float32 tensors (None where the field was None): for each token, the sum of the rows
-            that the ranks it was dispatched to sent back; zero for tokens dispatched nowhere.
-        """
-        raise NotImplementedError
+    def prepared(self, hidden: int) -> bool:
+        """Whether calls of this hidden size need no collective setup (a device transport's buffer for it exists),
+        so that they can be captured in a CUDA graph. True by default."""
+        return True
+
+    def raise_if_failed(self) -> None:
+        """Raise the error a kernel of this transport recorded (a peer that never arrived), without waiting for the
+        GPU; nothing if none (or if the transport has no kernels)."""
+
 
 
 SPIN_S = 0.002  # how long a host wait polls without sleeping (a sleep lasts 60-150 us: longer than most waits)
