@@ -429,6 +429,7 @@ class Buffer:
                             if error is None and self.backend in DEVICE_BACKENDS else None)
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)
         self._nvlink_transports = {}  # hidden size -> NvlinkTransport, made at the first dispatch of that size
+        self._eager_sms = {}  # id(transport) -> the SM count of its last eager call
         self._nvlink_failure: Optional[str] = None
         self._round = 0
         self._destroyed = False
@@ -495,9 +496,9 @@ class Buffer:
         """A captured call's SM count: that of the eager calls before it (every rank agreed on it there; a capture
         exchanges nothing, and a combine's copy plan depends on the count)."""
         sms = self._call_sms(config)
-        if sms != transport.num_sms:
+        if sms != self._eager_sms.get(id(transport)):
             raise _reject("config", f"a call captured in a CUDA graph runs on the SM count of the eager calls "
-                                    f"before it ({transport.num_sms}); this one asks {sms} (config.num_sms or "
+                                    f"before it ({self._eager_sms.get(id(transport))}); this one asks {sms} (config.num_sms or "
                                     f"Buffer.set_num_sms): make an eager call with that count first")
         return sms
 
@@ -1026,10 +1027,10 @@ class Buffer:
 
     def _combine_nvlink(self, x, handle, topk_weights, biases, sms: int):
         rows = handle.num_recv_rows
-        handle.nvlink_transport.num_sms = sms
+        self._eager_sms[id(handle.nvlink_transport)] = sms  # (for `_captured_sms`)
         out, summed_weights = handle.nvlink_transport.combine(
             _dense(x[:rows]), _dense(topk_weights[:rows]) if topk_weights is not None else None,
-            handle.nvlink_layout)
+            handle.nvlink_layout, num_sms=sms)
         if not biases:
             return out, summed_weights
         summed_x = out.float()  # rounded to bf16 by the kernel: with a bias, one rounding more than the reference
@@ -1066,10 +1067,10 @@ class Buffer:
                 fits = Transport.buffer_bytes(self.group_size, mid, hidden, NVLINK_MAX_TOPK) <= self.num_nvl_bytes
                 low, high = (mid, high) if fits else (low, mid)
             bulk = {"bulk": "copy_engine"} if self.backend == "nvlink_copy_engine" else {}
-            transport = Transport(self.group, self.device, sms, low, hidden, NVLINK_MAX_TOPK,
+            transport = Transport(self.group, self.device, low, hidden, NVLINK_MAX_TOPK,
                                   timeout_s=self.timeout_s, **bulk)
             self._nvlink_transports[hidden] = transport
-        transport.num_sms = sms
+        self._eager_sms[id(transport)] = sms  # (for `_captured_sms`)
         return transport
 
     def _dispatch_nvlink(self, handle, cached, values, scales, quantize, topk_idx, topk_weights, num_local_experts,
@@ -1080,7 +1081,7 @@ class Buffer:
         dense = lambda t: None if t is None else _dense(t)  # noqa: E731
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src, layout = transport.dispatch(
             dense(values), dense(scales), dense(topk_idx), dense(topk_weights), handle.is_token_in_rank.contiguous(),
-            num_local_experts, quantize=quantize, num_worst_tokens=handle.num_worst_tokens,
+            num_local_experts, num_sms=sms, quantize=quantize, num_worst_tokens=handle.num_worst_tokens,
             cached=handle.nvlink_layout if cached else None, num_recv_tokens=None if cached else handle.num_recv_tokens)
         if not cached:
             handle.nvlink_layout, handle.nvlink_transport = layout, transport
@@ -1089,7 +1090,7 @@ class Buffer:
             handle.recv_src_idx = recv_src[:handle.num_recv_rows].clone()  # padding rows: -1 from the kernels
             if hasattr(transport, "plan"):  # every copy plan of the layout now, on the host (bulk="copy_engine"),
                 # so that later dispatches and combines with this handle can be captured in a CUDA graph
-                transport.plan(layout, handle.is_token_in_rank)
+                transport.plan(layout, handle.is_token_in_rank, num_sms=sms)
         if not transport.returns_views:
             return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
         clone = lambda t: None if t is None else t.clone()  # noqa: E731

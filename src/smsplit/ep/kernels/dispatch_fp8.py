@@ -8,7 +8,7 @@ import triton.language as tl
 from smsplit import ptx
 from smsplit.trace import record_block
 
-from .common import CTX_SCALES, CTX_SIG, CTX_X, FINISHED_WORD, column, failed_before, pick
+from .common import CTX_SCALES, CTX_X, FINISHED_WORD, column, failed_before, pick
 from .dispatch import end_dispatch, receive_offsets, start_dispatch, store_metadata
 from .rows import chunk_vectors, load_chunk, load_tokens, quantize_chunk, store_chunk_scales
 
