@@ -128,15 +128,16 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, state_ptr, cx_pt
     wait_for_ranks(slot_of(ctx_ptr, sig, rank, 2), 0, 1, R, rank, 0, expected + programs, timeout_ns, status_ptr,
                    state_ptr + FAIL_WORD, 3)
     y_bf16 = y_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)  # (y comes as int32 words for the pushes)
-    if yw_ptr is not None:
-        sum_weights(pos_ptr, yw_ptr, cw_ptr, out_w_ptr, layout_ptr, T, y_rows, R, rank, max_tokens, K, KP, RP)
     self_start = tl.load(layout_ptr + R + rank)
-    # a receive that overflowed num_worst_tokens has rows past y's: this rank sums nothing (`push_back`)
-    t_sum = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, 0, T)
-    for t0 in range(pid * TB, t_sum, programs * TB):
+    # a receive that overflowed num_worst_tokens has rows past y's: this rank sums nothing (`push_back`): the loop
+    # starts past T (its bound, T, a parameter: a loaded bound would be held through it)
+    t_skip = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, T, 0)
+    for t0 in range(t_skip + pid * TB, T, programs * TB):
         t = t0 + tl.arange(0, TB)
         sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx_ptr, cw_ptr, max_tokens, out_ptr,
                           out_w_ptr, H, K, HB, KP, RP, TB, False)
+    if yw_ptr is not None:
+        sum_weights(pos_ptr, yw_ptr, cw_ptr, out_w_ptr, layout_ptr, T, y_rows, R, rank, max_tokens, K, KP, RP)
     # (loaded again, not held through the sum: held, they spill)
     sig = tl.load(ctx_ptr + CTX_SIG)
     expected = tl.load(state_ptr + 2, volatile=True)  # (this launch's last program changes it once all are done)
