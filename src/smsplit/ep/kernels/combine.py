@@ -67,9 +67,9 @@ def push_back(y_ptr, yw_ptr, layout_ptr, ctx_ptr, sig, d, rank, R, y_rows, max_t
 @triton.jit
 def sum_weights(pos_ptr, yw_ptr, cw_ptr, out_w_ptr, layout_ptr, T, y_rows, R, rank, max_tokens, K,
                 KP: tl.constexpr, RP: tl.constexpr):
-    """The weights' sums, in a pass of their own before the rows' (all were pushed before the barrier; in the rows'
-    loop they spilled registers). (What it loads from the layout it loads itself, as the rows' pass does: held from
-    one pass to the other, it spills.)"""
+    """The weights' sums, in a pass of their own (all were pushed before the barrier; in the rows' loop they spilled
+    registers): after the rows' in `combine_kernel`, before them in `combine_copied_kernel` (while the copies land).
+    What it loads from the layout it loads itself: held from one pass to the other, it spills."""
     self_start = tl.load(layout_ptr + R + rank)
     t_sum = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, 0, T)  # (see `combine_kernel`)
     pid = tl.program_id(0)
