@@ -91,6 +91,9 @@ def test_fp8_dispatch_kernel_quantizes_packed_words_and_stores_16_byte_vectors()
     gated, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512, GATE=True),
                               x_ptr="*bf16")
     assert waits(gated) == 2
+    for dtype in ("*fp32", "*fp16"):  # other float x: loaded and quantized as fp32 values, the same stores
+        other, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512), x_ptr=dtype)
+        assert ptx.INSTRUCTIONS["e4m3x4_from_bf16x4"] in other and ptx.INSTRUCTIONS["st_global_na_v4"] in other
 
 
 @pytest.mark.compile
