@@ -215,7 +215,8 @@ def set_num_sms_and_configs(rank, world_size):
                 errors.append((error.argument, str(error)))
         # a call captured in a CUDA graph exchanges nothing: it must run on the count of the eager calls before it
         # (here a stand-in for the transport those calls used)
-        eager = SimpleNamespace(num_sms=24)
+        eager = SimpleNamespace()
+        default._eager_sms[id(eager)] = 24  # (as its eager calls record it)
         assert default._captured_sms(None, eager) == 24 and default._captured_sms(Config(24), eager) == 24
         with pytest.raises(EPArgumentError, match=r"config: a call captured in a CUDA graph runs on the SM count of "
                                                   r"the eager calls before it \(24\); this one asks 16"):
