@@ -725,7 +725,7 @@ class Buffer:
             recv_x: the received tokens, `[num_recv_tokens, hidden]` (`[num_worst_tokens, hidden]` if set), ordered by
                 source rank, then by token index on the source rank (backend "nvlink_copy_engine": within a
                 source's block the last few tokens may take the rows of tokens not sent here, see
-                `smsplit.ep.nvlink._prefix_plan`; the same rows for every dispatch with one handle); a tuple
+                `smsplit.ep.nvlink_plan.prefix_plan`; the same rows for every dispatch with one handle); a tuple
                 `(recv_x_fp8, recv_scales)` when FP8 travelled and `dequantize` is False.
             recv_topk_idx: `[num_recv_tokens, num_topk]` with `torch.int64`: the top-k ids as local expert ids of
                 this rank (`0 .. num_local_experts - 1`), -1 for experts on other ranks and for `-1` entries; None in

@@ -15,7 +15,8 @@ stream, both device-only (no host synchronization when the receive size is fixed
    copy-engine copy per peer moves the first rows of x instead (`smsplit.ep.nvlink_plan.prefix_plan`) and the
    programs move the rest; rows quantized to FP8 here are pushed by the programs onto the same rows.
 
-A combine first waits until every peer has summed the previous combine (so two combines in a row keep their rows), pushes each received row back into its source's combine area (one slot per expert rank and
+A combine first waits until every peer has summed the previous combine (so two combines in a row keep their rows),
+pushes each received row back into its source's combine area (one slot per expert rank and
 position among the rows that rank received from the source, so each source's rows go back as one block),
 signals, waits, and sums the slots of each token in fp32 (with ``bulk="copy_engine"`` the copy engines move
 the blocks in chunks and the sum starts on a chunk as soon as it has landed), then signals that its sum is done.
@@ -58,8 +59,8 @@ from .kernels.rows import (chunk_halves, chunk_vectors, e4m3_halves, load_chunk,
 from .layout import next_pow2 as _pow2
 from .layout import region_offsets, token_positions
 from .nvlink_plan import (ALIGN, MAX_CHUNKS, MAX_HOLE_SHARE, SCALE_BLOCK, DispatchSplit,  # noqa: F401
-                          check_num_sms, combine_split, context_table, default_combine_chunks, dispatch_split, prefix_plan,
-                          region_bytes)
+                          check_num_sms, combine_split, context_table, default_combine_chunks, dispatch_split,
+                          prefix_plan, region_bytes)
 from .transport import (EPArgumentError, EPTimeoutError, check_combine_weights, symmetric_buffer,
                         worst_tokens_error)
 

@@ -151,7 +151,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, state_ptr, cx_pt
 @triton.jit(do_not_specialize=["trace_tag", "y_rows"])  # a new tag id or receive size must not recompile
 def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, state_ptr, cx_ptr, cw_ptr, chunk_ends_ptr,
                           out_ptr, out_w_ptr, T, H, K, rank, R, y_rows, max_tokens, HB: tl.constexpr,
-                          KP: tl.constexpr, RP: tl.constexpr,                          CHUNKS: tl.constexpr, trace_ptr, trace_tag):
+                          KP: tl.constexpr, RP: tl.constexpr, CHUNKS: tl.constexpr, trace_ptr, trace_tag):
     """`combine_kernel` beside copy engines that return each source's first rows: ``chunk_ends_ptr`` (int32
     ``[R, CHUNKS]``) ends the rows copied back to each source in CHUNKS chunks (positions among the rows received
     from it); the kernel pushes the rows past the last end, and all weights. Program 0 tells each source its chunk
@@ -208,8 +208,8 @@ def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, state_ptr
         sum_weights(pos_ptr, yw_ptr, cw_ptr, out_w_ptr, layout_ptr, T, y_rows, R, rank, max_tokens, K, KP, RP)
     for t0 in range(pid * TB, t_sum, programs * TB):
         t = t0 + tl.arange(0, TB)
-        pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :], mask=(t < T)[:, None] & (cols[None, :] < R),
-                      other=-1)
+        pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :],
+                      mask=(t < T)[:, None] & (cols[None, :] < R), other=-1)
         # [RP] the last copied row each source returns for these tokens (rows past the copies were pushed by the
         # source's SMs before the barrier above: a block whose last row was pushed may still hold copied rows of the
         # last chunk)

@@ -78,7 +78,8 @@ def dispatch_fp8_kernel(x_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_p
                 ptx.st_global_na_v4(dst + 4 * v16, q0, q1, q2, q3, ok & (v16 < row_bytes // 16))
                 dst_s = (base + off_scales + row * n_groups * 4).to(tl.pointer_type(tl.float32))
                 store_chunk_scales(dst_s, g0, qscale, ok, n_groups, QG, TB)
-    end_dispatch(ctx_ptr, receive_offsets(ctx_ptr), state_ptr, layout_ptr, rank, R, K, row_bytes, n_groups, num_worst, expected,
-                 finished, False, True, topk_ptr is not None, weights_ptr is not None, VEC, GROUPS, KP, TB)
+    end_dispatch(ctx_ptr, receive_offsets(ctx_ptr), state_ptr, layout_ptr, rank, R, K, row_bytes, n_groups,
+                 num_worst, expected, finished, False, True, topk_ptr is not None, weights_ptr is not None, VEC,
+                 GROUPS, KP, TB)
     if trace_ptr is not None:
         record_block(trace_ptr, trace_tag, t_start)
