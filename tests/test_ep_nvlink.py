@@ -26,20 +26,22 @@ DISPATCH_SIGNATURE = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64"
                       "pos_ptr": "*i32", "layout_ptr": "*i32", "ctx_ptr": "*i64", "state_ptr": "*i32", "T": "i32",
                       "H": "i32", "K": "i32", "rank": "i32", "R": "i32", "num_local_experts": "i32",
                       "num_worst": "i32", "trace_ptr": "*i64", "trace_tag": "i32"}
-COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32", "ctx_ptr": "*i64",
-                     "state_ptr": "*i32", "cx_ptr": "*bf16", "cw_ptr": "*fp32", "out_ptr": "*bf16",
-                     "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32", "rank": "i32", "R": "i32",
-                     "y_rows": "i32", "max_tokens": "i32", "trace_ptr": "*i64", "trace_tag": "i32"}
+COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+                     "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
+                     "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32",
+                     "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32", "off_cx": "i64",
+                     "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
+                     "timeout_ns": "i64", "trace_ptr": "*i64", "trace_tag": "i32"}
 # the shapes of bench/ep.py (DeepSeek-V3: hidden 7168, top-8) on 2 ranks
 DISPATCH_SHAPE = {"GATE": False, "VEC": 1024, "GROUPS": 64, "KP": 8, "RP": 2}
-COMBINE_SHAPE = {"HB": 8192, "KP": 8, "RP": 2}
 
 
 def compile_kernel(kernel, signature, constexprs, absent=("trace_ptr",), **types):
     """``ptx.compile_for_sm90`` of an NVLink kernel with 16 warps (as the transport launches them); ``absent``: the
     pointers passed as None; ``types``: argument types that differ from the signature's."""
-    sig = {name: types.get(name, kind) for name, kind in signature.items() if name not in absent}
-    aligned = [name for name, kind in sig.items() if kind.startswith("*")] + ["H"]
+    params = inspect.signature(kernel.fn).parameters  # (each kernel takes the signature's arguments it needs)
+    sig = {name: types.get(name, kind) for name, kind in signature.items() if name not in absent and name in params}
+    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
     return ptx.compile_for_sm90(kernel, sig, {**constexprs, **{name: None for name in absent}}, num_warps=16,
                                 aligned=aligned)
 
@@ -99,8 +101,6 @@ def test_fp8_dispatch_kernel_quantizes_packed_words_and_stores_16_byte_vectors()
 @pytest.mark.compile
 def test_copied_dispatch_kernel_waits_for_the_copies_before_it_fills_their_holes():
     sig = dict(DISPATCH_SIGNATURE, plan_ptr="*i32")
-    sig = {name: sig[name] for name in inspect.signature(nvlink.dispatch_copied_kernel.fn).parameters
-           if name in sig}
     text, _ = compile_kernel(nvlink.dispatch_copied_kernel, sig, DISPATCH_SHAPE, absent=("scales_ptr", "trace_ptr"))
     # bounded waits: for the peers' arrivals, for this rank's copies to land before it fills their holes, and for
     # the peers' copies to land here; the X_FREE words the copy streams wait for
@@ -110,9 +110,18 @@ def test_copied_dispatch_kernel_waits_for_the_copies_before_it_fills_their_holes
     assert waits(gated) == 4
 
 
+def compile_combine(**constexprs):
+    """The combine kernel compiled with the bench's shape on 2 ranks, ``constexprs`` changed."""
+    consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": True, "WAIT_COPIES": False,
+              "CHUNKS": 1, "CP": 1, "TRACE": False, **constexprs}
+    aligned = [name for name, kind in COMBINE_SIGNATURE.items() if kind.startswith("*") or name.startswith("off_")]
+    return ptx.compile_for_sm90(nvlink.combine_kernel, COMBINE_SIGNATURE, consts, num_warps=16,
+                                aligned=aligned + ["H"])
+
+
 @pytest.mark.compile
-def test_combine_kernels_compile_with_their_ptx():
-    text, _ = compile_kernel(nvlink.combine_kernel, COMBINE_SIGNATURE, COMBINE_SHAPE)
+def test_combine_kernel_compiles_with_its_ptx():
+    text, _ = compile_combine()
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
     # two bounded waits (every peer has summed the previous combine; every peer's rows are in) and two signals
     # (rows pushed; sum done)
@@ -120,9 +129,7 @@ def test_combine_kernels_compile_with_their_ptx():
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
     # copy engines return the rows: more bounded waits, for their chunks' copy-done flags
-    sig = dict(COMBINE_SIGNATURE, chunk_ends_ptr="*i32")
-    sig = {name: sig[name] for name in inspect.signature(nvlink.combine_copied_kernel.fn).parameters if name in sig}
-    copied, _ = compile_kernel(nvlink.combine_copied_kernel, sig, dict(COMBINE_SHAPE, CHUNKS=4))
+    copied, _ = compile_combine(WAIT_COPIES=True, CHUNKS=4, CP=4)
     assert waits(copied) > waits(text) and re.search(r"ld\.global\.cg\.v4", copied)
     # the counter bump after a copy chain never waits (a spinning kernel there could hold an SM a peer's combine
     # needs); a combine's copies wait for the peers' sums by stream memory operations
@@ -131,17 +138,15 @@ def test_combine_kernels_compile_with_their_ptx():
 
 
 def test_kernels_take_about_20_parameters_and_per_call_values_do_not_recompile():
-    """Each kernel's signature is what it needs (about 20 parameters, constexprs included); the values that change
-    from call to call (a trace's tag, a receive size) are not specialized on."""
-    kernels = (nvlink.notify_kernel, nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel,
-               nvlink.combine_kernel, nvlink.combine_copied_kernel)
+    """Each dispatch kernel's signature is what it needs (about 20 parameters, constexprs included); the combine
+    keeps its 36 (see `smsplit.ep.kernels.combine`: split or with loaded constants, its sum spilled under Triton
+    3.7-3.9). The values that change from call to call (a trace's tag, a receive size) are not specialized on."""
+    kernels = (nvlink.notify_kernel, nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel)
     for kernel in kernels:
-        params = [p.name for p in kernel.params]
-        assert len(params) <= 24, (kernel.fn.__name__, len(params))
-        if "trace_tag" in params:
-            assert "trace_tag" in [p.name for p in kernel.params if p.do_not_specialize], kernel.fn.__name__
-    for kernel in (nvlink.combine_kernel, nvlink.combine_copied_kernel):
-        assert "y_rows" in [p.name for p in kernel.params if p.do_not_specialize]
+        assert len(kernel.params) <= 23, (kernel.fn.__name__, len(kernel.params))
+    for kernel in kernels[1:] + (nvlink.combine_kernel,):
+        assert "trace_tag" in [p.name for p in kernel.params if p.do_not_specialize], kernel.fn.__name__
+    assert "y_rows" in [p.name for p in nvlink.combine_kernel.params if p.do_not_specialize]
 
 
 def _spill_bytes(ptx_text: str) -> int:
@@ -164,12 +169,8 @@ def test_combine_kernel_does_not_spill_with_two_ranks():
     """The combine beside copy engines (the fastest transport's) at its 8 tokens a step on 2 ranks, with and without
     top-k weights, keeps its registers (with weights in the rows' loop it spilled 76 bytes and a weighted combine
     took 258 us against 204 without, at 20 SMs on 2 H200; BENCHMARKS.md §2)."""
-    sig = dict(COMBINE_SIGNATURE, chunk_ends_ptr="*i32")
-    sig = {name: sig[name] for name in inspect.signature(nvlink.combine_copied_kernel.fn).parameters if name in sig}
     for weights in (False, True):
-        absent = ("trace_ptr",) if weights else ("trace_ptr", "yw_ptr", "out_w_ptr")
-        text, _ = compile_kernel(nvlink.combine_copied_kernel, sig,
-                                 dict(COMBINE_SHAPE, KP=8 if weights else 1, CHUNKS=4), absent=absent)
+        text, _ = compile_combine(KP=8 if weights else 1, HAS_WEIGHTS=weights, WAIT_COPIES=True, CHUNKS=4, CP=4)
         assert _spill_bytes(text) == 0, f"weights {weights}"
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from smsplit.cuda_driver import StreamOps
 from smsplit.launch import FastLaunch
 
-from .kernels.combine import combine_copied_kernel, combine_kernel
+from .kernels.combine import combine_kernel
 from .kernels.common import FREE_SLOT, STATE_WORDS, WAITS, X_FREE_SLOT
 from .kernels.dispatch import dispatch_kernel
 from .kernels.dispatch_copied import dispatch_copied_kernel
@@ -65,13 +65,15 @@ from .transport import (EPArgumentError, EPTimeoutError, check_combine_weights, 
                         worst_tokens_error)
 
 BULK_MOVERS = ("sm", "copy_engine")
+COMBINE_TOKENS_PER_STEP = 8  # with 2 ranks (the packed two-row sum: 219.0 us at 8 against 250.1 at 4), 4 with more
+# (8 spill registers there)
 NUM_WARPS = 16  # per program of the dispatch and combine kernels (FP8 dispatch at 20 SMs 116.8 us at 16 against
 # 127.9 at 8; combine 198.9-199.9 at 16 against 275.6-276.7 at 32: docs/design-notes.md)
 
 launch_bump, launch_notify = FastLaunch(bump_kernel), FastLaunch(notify_kernel)
 launch_dispatch, launch_dispatch_fp8 = FastLaunch(dispatch_kernel), FastLaunch(dispatch_fp8_kernel)
 launch_dispatch_copied = FastLaunch(dispatch_copied_kernel)
-launch_combine, launch_combine_copied = FastLaunch(combine_kernel), FastLaunch(combine_copied_kernel)
+launch_combine = FastLaunch(combine_kernel)
 
 
 @dataclass
@@ -167,13 +169,10 @@ class NvlinkTransport:
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
         self.base_addrs = list(self.handle.buffer_ptrs)
-        self.ctx = torch.tensor(context_table(self.base_addrs, self.offsets, self.timeout_ns, self.status.data_ptr(),
-                                              max_tokens), dtype=torch.int64, device=self.device)
+        self.ctx = torch.tensor(context_table(self.base_addrs, self.offsets, self.timeout_ns, self.status.data_ptr()),
+                                dtype=torch.int64, device=self.device)
         self._views = {}  # `_view`'s views of self.buffer
-        rows = self.num_ranks * max_tokens
-        # this rank's combine area, as the typed tensors the combine kernels sum from (aligned: loads vectorize)
-        self._cx = self.buffer[self.offsets["cx"]: self.offsets["cx"] + rows * hidden * 2].view(torch.bfloat16)
-        self._cw = self.buffer[self.offsets["cw"]: self.offsets["cw"] + rows * max_topk * 4].view(torch.float32)
+        self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         self.bulk = bulk
         if bulk == "copy_engine":
             self.ops = StreamOps(self.device)
@@ -458,23 +457,29 @@ class NvlinkTransport:
                              "combine with its SM count has used (its copies are planned on the host)")
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
-        trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (None, 0)
-        args = (y.view(torch.uint8).view(torch.int32), y_weights, layout.layout, layout.sent_pos, self.ctx, self.state,
-                self._cx, self._cw)
-        tail = (T, H, K, self.rank, R, layout.num_recv_rows, self.max_tokens)
-        consts = dict(HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS)
-        if not copies:
-            launch_combine(num_sms, *args, out, out_w, *tail, **consts)
-            return out, out_w
-        chunks, chunk_ends = self._combine_split(layout, num_sms)
-        inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
-        launch_combine_copied(num_sms, *args, chunk_ends, out, out_w, *tail, CHUNKS=chunk_ends.size(1), **consts)
-        # queued after the kernel (which pushes the weights and sums as chunks land)
-        row_bytes = H * 2
-        copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
-                                + (self.rank * self.max_tokens + slot) * row_bytes,
-                                y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
-                              1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
-                              self._peers) for c, chunk in enumerate(chunks)], 1, after=inputs_ready)
-        torch.cuda.current_stream(self.device.index).wait_event(copied)
+        chunk_ends = self._all_by_sms
+        if copies:
+            chunks, chunk_ends = self._combine_split(layout, num_sms)
+            inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
+        trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (layout.layout, 0)
+        chunk_count = chunk_ends.size(1)
+        launch_combine(
+            num_sms,
+            y.view(torch.uint8).view(torch.int32), y_weights if y_weights is not None else out, layout.layout,
+            layout.sent_pos, self.ctx, self.state, self.status.data_ptr(), self.buffer, chunk_ends, out,
+            out_w if out_w is not None else out, T, H, K, R, self.rank, self.max_tokens, layout.num_recv_rows,
+            self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"], self.offsets["signals"],
+            self.offsets["copied"] + 4 * R, self.timeout_ns,
+            VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=COMBINE_TOKENS_PER_STEP if R == 2 else 4,
+            HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
+            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS,
+        )  # (bases_ptr: the context table, whose first words are every rank's buffer address)
+        if copies:  # queued after the kernel (which pushes the weights and sums as chunks land)
+            row_bytes = H * 2
+            copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]
+                                    + (self.rank * self.max_tokens + slot) * row_bytes,
+                                    y.data_ptr() + row * row_bytes, n * row_bytes) for source, row, n, slot in chunk],
+                                  1 + c, sorted({source for source, *_ in chunk}) if c < len(chunks) - 1 else
+                                  self._peers) for c, chunk in enumerate(chunks)], 1, after=inputs_ready)
+            torch.cuda.current_stream(self.device.index).wait_event(copied)
         return out, out_w

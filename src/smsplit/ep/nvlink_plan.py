@@ -38,7 +38,7 @@ def region_bytes(R: int, M: int, H: int, K: int) -> dict:
             "cx": R * M * H * 2, "cw": R * M * K * 4}
 
 
-def context_table(bases: list, offsets: dict, timeout_ns: int, status_addr: int, max_tokens: int) -> list:
+def context_table(bases: list, offsets: dict, timeout_ns: int, status_addr: int) -> list:
     """The words of a transport's context table (`smsplit.ep.kernels.common`): every rank's buffer address, then
     the constants the kernels load."""
     words = [0] * common.CTX_WORDS
@@ -47,9 +47,7 @@ def context_table(bases: list, offsets: dict, timeout_ns: int, status_addr: int,
                          (common.CTX_SIG, offsets["signals"]), (common.CTX_COUNTS, offsets["counts"]),
                          (common.CTX_X, offsets["x"]), (common.CTX_SCALES, offsets["scales"]),
                          (common.CTX_TOPK, offsets["topk"]), (common.CTX_WEIGHTS, offsets["weights"]),
-                         (common.CTX_SRC, offsets["src"]), (common.CTX_COPIED, offsets["copied"]),
-                         (common.CTX_CHUNK_ENDS, offsets["chunk_ends"]), (common.CTX_CX, offsets["cx"]),
-                         (common.CTX_CW, offsets["cw"]), (common.CTX_MAX_TOKENS, max_tokens)):
+                         (common.CTX_SRC, offsets["src"]), (common.CTX_COPIED, offsets["copied"])):
         words[index.value] = value
     return words
 

@@ -3,7 +3,8 @@
 Each rank's `NvlinkTransport` keeps a context table (int64, `CTX_WORDS`): the addresses of every rank's symmetric
 buffer in ``[0, MAX_RANKS)``, then the transport's constants (`CTX_TIMEOUT` ...): the region offsets of the buffer,
 the timeout and the pinned status word. A kernel takes the table as one pointer and loads what it uses, so that its
-signature holds what varies per call.
+signature holds what varies per call. (The combine takes them as parameters, with the table as its ``bases_ptr``:
+`smsplit.ep.kernels.combine` says why.)
 """
 
 import triton
@@ -23,11 +24,7 @@ CTX_TOPK = tl.constexpr(22)
 CTX_WEIGHTS = tl.constexpr(23)
 CTX_SRC = tl.constexpr(24)
 CTX_COPIED = tl.constexpr(25)  # copy-done flags (dispatch: word [s]; combine chunk c: word (1 + c) * R + s)
-CTX_CHUNK_ENDS = tl.constexpr(26)  # where each source's combine chunks end
-CTX_CX = tl.constexpr(27)  # combine area: rows, weights
-CTX_CW = tl.constexpr(28)
-CTX_MAX_TOKENS = tl.constexpr(29)  # the most tokens a rank sends (combine slots per source)
-CTX_WORDS = 30
+CTX_WORDS = 26
 
 # local state words (per rank, not shared): [phase] arrivals per source seen so far, [FINISHED_WORD] dispatches
 # this rank has finished, [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a
