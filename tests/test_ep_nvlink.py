@@ -110,13 +110,13 @@ def test_copied_dispatch_kernel_waits_for_the_copies_before_it_fills_their_holes
     assert waits(gated) == 4
 
 
-def compile_combine(**constexprs):
-    """The combine kernel compiled with the bench's shape on 2 ranks, ``constexprs`` changed."""
-    consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": True, "WAIT_COPIES": False,
-              "CHUNKS": 1, "CP": 1, "TRACE": False, **constexprs}
-    aligned = [name for name, kind in COMBINE_SIGNATURE.items() if kind.startswith("*") or name.startswith("off_")]
-    return ptx.compile_for_sm90(nvlink.combine_kernel, COMBINE_SIGNATURE, consts, num_warps=16,
-                                aligned=aligned + ["H"])
+def compile_combine(weights=True, **constexprs):
+    """The combine kernel compiled with the bench's shape on 2 ranks (top-k weights or none), ``constexprs``
+    changed."""
+    absent = ("trace_ptr",) if weights else ("trace_ptr", "yw_ptr", "out_w_ptr")
+    return compile_kernel(nvlink.combine_kernel, COMBINE_SIGNATURE,
+                          {"HB": 8192, "KP": 8 if weights else 1, "RP": 2, "WAIT_COPIES": False, "CHUNKS": 1,
+                           **constexprs}, absent=absent)
 
 
 @pytest.mark.compile
@@ -129,7 +129,7 @@ def test_combine_kernel_compiles_with_its_ptx():
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
     # copy engines return the rows: more bounded waits, for their chunks' copy-done flags
-    copied, _ = compile_combine(WAIT_COPIES=True, CHUNKS=4, CP=4)
+    copied, _ = compile_combine(WAIT_COPIES=True, CHUNKS=4)
     assert waits(copied) > waits(text) and re.search(r"ld\.global\.cg\.v4", copied)
     # the counter bump after a copy chain never waits (a spinning kernel there could hold an SM a peer's combine
     # needs); a combine's copies wait for the peers' sums by stream memory operations
@@ -139,11 +139,12 @@ def test_combine_kernel_compiles_with_its_ptx():
 
 def test_kernels_take_about_20_parameters_and_per_call_values_do_not_recompile():
     """Each dispatch kernel's signature is what it needs (about 20 parameters, constexprs included); the combine
-    keeps its 36 (see `smsplit.ep.kernels.combine`: split or with loaded constants, its sum spilled under Triton
+    keeps its 31 (see `smsplit.ep.kernels.combine`: split or with loaded constants, its sum spilled under Triton
     3.7-3.9). The values that change from call to call (a trace's tag, a receive size) are not specialized on."""
     kernels = (nvlink.notify_kernel, nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel)
     for kernel in kernels:
         assert len(kernel.params) <= 23, (kernel.fn.__name__, len(kernel.params))
+    assert len(nvlink.combine_kernel.params) <= 31
     for kernel in kernels[1:] + (nvlink.combine_kernel,):
         assert "trace_tag" in [p.name for p in kernel.params if p.do_not_specialize], kernel.fn.__name__
     assert "y_rows" in [p.name for p in nvlink.combine_kernel.params if p.do_not_specialize]
@@ -170,7 +171,7 @@ def test_combine_kernel_does_not_spill_with_two_ranks():
     top-k weights, keeps its registers (with weights in the rows' loop it spilled 76 bytes and a weighted combine
     took 258 us against 204 without, at 20 SMs on 2 H200; BENCHMARKS.md §2)."""
     for weights in (False, True):
-        text, _ = compile_combine(KP=8 if weights else 1, HAS_WEIGHTS=weights, WAIT_COPIES=True, CHUNKS=4, CP=4)
+        text, _ = compile_combine(weights, WAIT_COPIES=True, CHUNKS=4)
         assert _spill_bytes(text) == 0, f"weights {weights}"
 
 

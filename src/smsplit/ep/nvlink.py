@@ -65,8 +65,6 @@ from .transport import (EPArgumentError, EPTimeoutError, check_combine_weights, 
                         worst_tokens_error)
 
 BULK_MOVERS = ("sm", "copy_engine")
-COMBINE_TOKENS_PER_STEP = 8  # with 2 ranks (the packed two-row sum: 219.0 us at 8 against 250.1 at 4), 4 with more
-# (8 spill registers there)
 NUM_WARPS = 16  # per program of the dispatch and combine kernels (FP8 dispatch at 20 SMs 116.8 us at 16 against
 # 127.9 at 8; combine 198.9-199.9 at 16 against 275.6-276.7 at 32: docs/design-notes.md)
 
@@ -461,18 +459,15 @@ class NvlinkTransport:
         if copies:
             chunks, chunk_ends = self._combine_split(layout, num_sms)
             inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
-        trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (layout.layout, 0)
-        chunk_count = chunk_ends.size(1)
+        trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (None, 0)
         launch_combine(
             num_sms,
-            y.view(torch.uint8).view(torch.int32), y_weights if y_weights is not None else out, layout.layout,
-            layout.sent_pos, self.ctx, self.state, self.status.data_ptr(), self.buffer, chunk_ends, out,
-            out_w if out_w is not None else out, T, H, K, R, self.rank, self.max_tokens, layout.num_recv_rows,
-            self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"], self.offsets["signals"],
-            self.offsets["copied"] + 4 * R, self.timeout_ns,
-            VEC=_pow2(H * 2 // 16), HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=COMBINE_TOKENS_PER_STEP if R == 2 else 4,
-            HAS_WEIGHTS=y_weights is not None, WAIT_COPIES=copies, CHUNKS=chunk_count, CP=_pow2(chunk_count),
-            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS,
+            y.view(torch.uint8).view(torch.int32), y_weights, layout.layout, layout.sent_pos, self.ctx, self.state,
+            self.status.data_ptr(), self.buffer, chunk_ends, out, out_w, T, H, K, R, self.rank, self.max_tokens,
+            layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"],
+            self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
+            HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), WAIT_COPIES=copies, CHUNKS=chunk_ends.size(1),
+            trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS,
         )  # (bases_ptr: the context table, whose first words are every rank's buffer address)
         if copies:  # queued after the kernel (which pushes the weights and sums as chunks land)
             row_bytes = H * 2

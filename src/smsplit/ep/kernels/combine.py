@@ -6,8 +6,8 @@ First it waits until every peer has summed the previous combine, so that two com
 when done it signals that its sum is done. With WAIT_COPIES copy engines return the rows in chunks and the sum starts
 on a chunk as soon as it has landed.
 
-One kernel for both, with the transport's constants as parameters: its sum holds all 128 registers of a thread at 16
-warps, and ptxas's allocation there is on an edge. Split into two kernels (one per WAIT_COPIES), or with the
+One kernel for both (31 parameters), with the transport's constants as parameters: its sum holds all 128 registers of
+a thread at 16 warps, and ptxas's allocation there is on an edge. Split into two kernels (one per WAIT_COPIES), or with the
 constants loaded from the context table, the same code spilled 68-88 bytes in the sum's loop under Triton 3.7-3.9
 where this one spills none (the kernels' compile tests check it).
 """
@@ -25,7 +25,7 @@ from .rows import sum_returned_rows, sum_returned_weights
 WEIGHTS_BLOCK = tl.constexpr(2048)  # the fp32 top-k weights a program pushes per step
 WEIGHTS_TOKENS = tl.constexpr(64)  # the tokens whose weights a program sums per step
 # tokens a program sums per step (TB): 8 with 2 ranks (the packed two-row sum; 2 ranks, 5 queued replays: 219.0 us
-# at 8 against 250.1 at 4), else 4 (8 spill registers there); set by the host (`NvlinkTransport.combine`)
+# at 8 against 250.1 at 4), else 4 (8 spill registers there)
 
 
 @triton.jit
@@ -51,9 +51,8 @@ def _free_copy_stream(words, R):
 def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, status_addr, own_buf,
                    chunk_ends_ptr, out_ptr, out_w_ptr, T, H, K, R, rank, max_tokens, y_rows,
                    off_cx, off_cw, off_chunk_ends, sig_off, off_copied, timeout_ns,
-                   VEC: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                   TB: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WAIT_COPIES: tl.constexpr,
-                   CHUNKS: tl.constexpr, CP: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
+                   HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WAIT_COPIES: tl.constexpr,
+                   CHUNKS: tl.constexpr, trace_ptr, trace_tag):
     """Push the i-th row received from each other rank back to slot [rank][i] of that source's combine area,
     then sum, for each of this rank's tokens, its rows from the ranks it went to (fp32; its own rank's row
     straight from y) into out (bf16).
@@ -63,9 +62,13 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
     end, and all weights). WAIT_COPIES: program 0 tells each source its chunk ends, and the sum waits, per
     block of tokens, only for the chunks that hold the rows it adds (each chunk's copy-done flag), so it
     runs while the copy engines still move later chunks."""
+    HAS_WEIGHTS: tl.constexpr = yw_ptr is not None  # (and out_w_ptr)
+    VEC: tl.constexpr = HB // 8  # 16-byte vectors of a bf16 row
+    TB: tl.constexpr = 8 if RP == 2 else 4  # tokens a program sums per step (see above)
+    CP: tl.constexpr = 4 if CHUNKS <= 4 else 8  # (at most MAX_CHUNKS)
     status_ptr = status_addr.to(tl.pointer_type(tl.int32))
     fail_ptr = state_ptr + FAIL_WORD
-    if TRACE:
+    if trace_ptr is not None:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 2, volatile=True)
     pid = tl.program_id(0)
@@ -189,5 +192,5 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, bases_ptr, state_ptr, sta
                 if d != rank:
                     ptx.atom_add_release_sys((tl.load(bases_ptr + d) + sig_off + FREE_SLOT * 64).to(
                         tl.pointer_type(tl.int32)) + rank, 1)
-    if TRACE:
+    if trace_ptr is not None:
         record_block(trace_ptr, trace_tag, t_start)
