@@ -51,7 +51,7 @@ QUEUED = 5
 _ROUNDTRIPS = itertools.count(1)  # seeds of _roundtrip_equal's tokens
 
 
-def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) -> dict:
+def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached, sms) -> dict:
     """Poison the receive and combine areas, dispatch tokens and combine the received rows unchanged: each token must
     come back times the number of ranks it went to, exactly (BF16; FP8, quantized in the dispatch or before it
     (``fp8_input``): its e4m3 rows dequantized to BF16, per ``smsplit.fp8.quantize_1x128``). Checks placement and
@@ -73,10 +73,10 @@ def _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached) ->
         dist.barrier()  # no peer writes into this rank's buffer before it is poisoned (a cached dispatch's copies
         # start at once: no count exchange orders them after the peer's work)
         rx, rs, *_, lay = tr.dispatch(*((q, s) if name == "fp8_input" else (x, None)), topk, weights, in_rank,
-                                      num_local, quantize=quantize, num_worst_tokens=worst, cached=cached)
+                                      num_local, num_sms=sms, quantize=quantize, num_worst_tokens=worst, cached=cached)
         if rs is not None:
             rx = dequantize_1x128(rx, rs)
-        out, _ = tr.combine(rx.contiguous(), None, lay)
+        out, _ = tr.combine(rx.contiguous(), None, lay, num_sms=sms)
         torch.cuda.synchronize()
         tr.raise_if_failed()
         result[name] = bool(torch.equal(out, (source.float() * times).to(torch.bfloat16)))
@@ -88,31 +88,27 @@ def worker(rank, world, port, args, queue):
     from smsplit.budget import SmBudget
     from smsplit.ep.copy_engine import CopyEngineTransport
     from smsplit.ep.nvlink import NvlinkTransport
+    from smsplit.ep.nvlink_plan import default_combine_chunks
     from smsplit.fp8 import quantize_1x128
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     num_local = E // world
     x, topk, weights, in_rank, g = routed_tokens(rank, world, dev, T, H, E, K)
     xq, xs = quantize_1x128(x)  # FP8 input, as DeepEP's benchmark dispatches it (quantized before the call)
-    transport = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms), max_tokens=T, hidden=H,
-                                max_topk=K, timeout_s=60)
+    transport = NvlinkTransport(dist.group.WORLD, dev, max_tokens=T, hidden=H, max_topk=K, timeout_s=60)
     transports = {"nvlink": transport}
     if "nvlink_copy_engine" in args.transports:
-        transports["nvlink_copy_engine"] = NvlinkTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
-                                                           max_tokens=T, hidden=H, max_topk=K, timeout_s=60,
-                                                           bulk="copy_engine", copy_share=args.copy_share,
-                                                           combine_copy_share=args.combine_copy_share)
-    for tr in transports.values():
-        tr.quantize_tokens_per_step, tr.quantize_groups_per_step = args.quantize_step
-        tr.num_warps = args.num_warps
+        transports["nvlink_copy_engine"] = NvlinkTransport(dist.group.WORLD, dev, max_tokens=T, hidden=H, max_topk=K,
+                                                           timeout_s=60, bulk="copy_engine")
     if "copy_engine" in args.transports:
-        transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, num_sms=max(args.comm_sms),
-                                                        max_tokens=T, hidden=H, max_topk=K,
-                                                        num_chunks=args.chunks, timeout_s=60)
+        transports["copy_engine"] = CopyEngineTransport(dist.group.WORLD, dev, max_tokens=T, hidden=H, max_topk=K,
+                                                        timeout_s=60, num_chunks=args.chunks)
+    first_sms = args.comm_sms[0]
     worst = world * T
 
     # layout and byte counts
-    _, _, _, _, _, layout = transport.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
+    _, _, _, _, _, layout = transport.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=first_sms,
+                                               num_worst_tokens=worst)
     torch.cuda.synchronize()
     transport.raise_if_failed()
     num_recv = int(layout.num_recv_tokens.item())
@@ -152,9 +148,8 @@ def worker(rank, world, port, args, queue):
     layouts = {"nvlink": layout}
     if "nvlink_copy_engine" in transports:
         *_, layouts["nvlink_copy_engine"] = transports["nvlink_copy_engine"].dispatch(
-            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst)
-        tr_ce = transports["nvlink_copy_engine"]
-        split = layouts["nvlink_copy_engine"].splits[("dispatch", tr_ce.copy_share)]
+            x, None, topk, weights, in_rank, num_local, num_sms=first_sms, num_worst_tokens=worst)
+        split = layouts["nvlink_copy_engine"].splits["dispatch"]
         # per peer: rows in its one copy, and the holes in them (tokens not sent there, filled after the copy)
         res["nvlink_copy_engine_copies"] = [
             {"peer": d, "rows": m, "holes": int(m - in_rank[:m, d].sum())} for d, m, _ in split.copies]
@@ -162,29 +157,29 @@ def worker(rank, world, port, args, queue):
         layouts["copy_engine"] = transports["copy_engine"].layout(in_rank, worst)
     for name, P in [(n, P) for n in args.transports for P in args.comm_sms]:
         tr, lay = transports[name], layouts[name]
-        tr.num_sms = P
         row = {"transport": name, "comm_sms": P}
         row["dispatch_bf16_cached_ms"] = timed(lambda: tr.dispatch(
-            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
+            x, None, topk, weights, in_rank, num_local, num_sms=P, num_worst_tokens=worst, cached=lay))
         row["dispatch_bf16_ms"] = timed(lambda: tr.dispatch(
-            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst))
+            x, None, topk, weights, in_rank, num_local, num_sms=P, num_worst_tokens=worst))
         row["dispatch_fp8_cached_ms"] = timed(lambda: tr.dispatch(
-            x, None, topk, weights, in_rank, num_local, quantize=True, num_worst_tokens=worst, cached=lay))
+            x, None, topk, weights, in_rank, num_local, num_sms=P, quantize=True, num_worst_tokens=worst,
+            cached=lay))
         row["dispatch_fp8_input_cached_ms"] = timed(lambda: tr.dispatch(
-            xq, xs, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
-        tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay)
-        row["combine_ms"] = timed(lambda: tr.combine(y, None, lay))
+            xq, xs, topk, weights, in_rank, num_local, num_sms=P, num_worst_tokens=worst, cached=lay))
+        tr.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=P, num_worst_tokens=worst, cached=lay)
+        row["combine_ms"] = timed(lambda: tr.combine(y, None, lay, num_sms=P))
         torch.cuda.synchronize()
         tr.raise_if_failed()
         # host time per call (Python + launches), no synchronization inside: bounds the GPU time from below
         # when the GPU waits for the host
         row["dispatch_bf16_host_us"] = host_us(lambda: tr.dispatch(
-            x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst, cached=lay))
-        row["combine_host_us"] = host_us(lambda: tr.combine(y, None, lay))
+            x, None, topk, weights, in_rank, num_local, num_sms=P, num_worst_tokens=worst, cached=lay))
+        row["combine_host_us"] = host_us(lambda: tr.combine(y, None, lay, num_sms=P))
         for key in list(row):
             if key.endswith("_ms"):
                 row[key] = max_over_ranks(row[key], dev)
-        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, lay)  # the calls timed above
+        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, lay, P)  # the calls timed above
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         res["rows"].append(row)
         if rank == 0:
@@ -202,47 +197,29 @@ def worker(rank, world, port, args, queue):
     # nvlink: uncached (the device-side count exchange inside); nvlink_copy_engine: cached layout (its copies are
     # planned on the host at the first call)
     res["graph_rows"] = []
-    graph_cases = [(n, P, share, chunks, stage, mover, e4m3) for n in args.transports if n.startswith("nvlink")
-                   for P in args.comm_sms
-                   for e4m3 in args.e4m3_store_bytes
-                   for share in (args.copy_shares if n == "nvlink_copy_engine" else [None])
-                   for chunks in (args.combine_chunks if n == "nvlink_copy_engine" else [None])
-                   for stage in (args.stage_chunks if n == "nvlink_copy_engine" else [None])
-                   for mover in (args.quantized_rows_by if n == "nvlink_copy_engine" else [None])]
-    if args.combine_tokens_per_step is not None:
-        for name in {case[0] for case in graph_cases}:
-            transports[name].combine_tokens_per_step = args.combine_tokens_per_step
-    for name, P, share, chunks, stage, mover, e4m3 in graph_cases:
+    graph_cases = [(n, P) for n in args.transports if n.startswith("nvlink") for P in args.comm_sms]
+    for name, P in graph_cases:
         tr, lay = transports[name], layouts[name]
         cached = lay if name == "nvlink_copy_engine" else None
-        tr.num_sms = P
-        tr.e4m3_store_bytes = e4m3
-        if share is not None:  # nvlink_copy_engine
-            tr.copy_share = share
-            tr.combine_chunks = chunks  # None: the transport's default for P SMs
-        if stage is not None:
-            tr.stage_chunks = stage
-            tr.quantized_rows_by = mover
-            tr.plan(lay, in_rank)  # the FP8 staging plan for these launches, made before capture
+        planned = name == "nvlink_copy_engine"  # copy engines move every row sent to a peer (the winning share)
+        if planned:
+            tr.plan(lay, in_rank, num_sms=P)  # the combine's chunks for P SMs, planned before capture
         calls = {
-            "dispatch_bf16": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, num_worst_tokens=worst,
-                                                 cached=cached),
-            "dispatch_fp8": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
+            "dispatch_bf16": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=P,
+                                                 num_worst_tokens=worst, cached=cached),
+            "dispatch_fp8": lambda: tr.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=P, quantize=True,
                                                 num_worst_tokens=worst, cached=cached),
-            "dispatch_fp8_input": lambda: tr.dispatch(xq, xs, topk, weights, in_rank, num_local,
+            "dispatch_fp8_input": lambda: tr.dispatch(xq, xs, topk, weights, in_rank, num_local, num_sms=P,
                                                       num_worst_tokens=worst, cached=cached),
-            "combine": lambda: tr.combine(y, None, lay),
+            "combine": lambda: tr.combine(y, None, lay, num_sms=P),
         }
         if args.combine_weights:  # DeepEP's benchmark times its combine without weights; a model passes them
-            calls["combine_weighted"] = lambda: tr.combine(y, yw, lay)
+            calls["combine_weighted"] = lambda: tr.combine(y, yw, lay, num_sms=P)
         graphs = {key: graph_of(call) for key, call in calls.items()}
-        row = {"transport": name, "comm_sms": P, "cached": cached is not None, "copy_share": share,
-               "combine_copy_share": tr.combine_copy_share if share is not None else None,
-               "combine_chunks": tr.combine_chunks if share is not None else None,
-               "combine_chunks_by_sms": share is not None and chunks is None,
-               "stage_chunks": stage, "quantized_rows_by": mover, "num_warps": tr.num_warps, "e4m3_store_bytes": e4m3,
-               "combine_tokens_per_step": tr.combine_tokens_per_step}
-        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached)
+        row = {"transport": name, "comm_sms": P, "cached": cached is not None,
+               "copy_share": 1.0 if planned else None, "combine_copy_share": 1.0 if planned else None,
+               "combine_chunks": default_combine_chunks(P) if planned else None, "combine_chunks_by_sms": planned}
+        equal = _roundtrip_equal(tr, x, topk, weights, in_rank, num_local, worst, cached, P)
         row["roundtrip_equal"] = {k: bool(max_over_ranks(float(not v), dev) == 0) for k, v in equal.items()}
         for key, graph in graphs.items():
             row[key + "_graph_ms"] = max_over_ranks(timed(graph.replay), dev)
@@ -253,23 +230,14 @@ def worker(rank, world, port, args, queue):
         res["graph_rows"].append(row)
         del graphs
         if rank == 0:
-            chunk_note = "" if share is None else f" chunks {tr.combine_chunks}" + (" (default)" if chunks is None else "")
-            print(f"{name}{'' if share is None else f' share {share}'}{chunk_note}"
-                  f"{'' if stage is None else f' stage {stage}'}{'' if mover is None else f' FP8 rows by {mover}'}"
-                  f"{' e4m3 in 8-byte halves' if e4m3 == 8 else ''}"
-                  f" in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
+            chunk_note = f" chunks {default_combine_chunks(P)}" if planned else ""
+            print(f"{name}{chunk_note} in a CUDA graph, P={P:2d}: dispatch bf16 {row['dispatch_bf16_graph_ms'] * 1e3:7.1f} us, "
                   f"fp8 {row['dispatch_fp8_graph_ms'] * 1e3:7.1f} us (FP8 input {row['dispatch_fp8_input_graph_ms'] * 1e3:.1f}), combine {row['combine_graph_ms'] * 1e3:7.1f} us; "
                   f"round trip equal: {row['roundtrip_equal']}; {QUEUED} queued: "
                   + ", ".join(f"{k} {row[k + '_graph_queued_ms'] * 1e3:.1f}" for k in calls)
                   + " us; started together: "
                   + ", ".join(f"{k} {row[k + '_graph_aligned_ms'] * 1e3:.1f}" for k in calls)
                   + " us", flush=True)
-
-    if "nvlink_copy_engine" in transports:
-        transports["nvlink_copy_engine"].copy_share = args.copy_share
-        transports["nvlink_copy_engine"].combine_chunks = args.combine_chunks[0]
-        transports["nvlink_copy_engine"].stage_chunks = args.stage_chunks[0]
-        transports["nvlink_copy_engine"].quantized_rows_by = args.quantized_rows_by[0]
 
     # NCCL all_to_all_single of the same token bytes (bf16 rows, self part included)
     order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(world)])
@@ -349,13 +317,12 @@ def worker(rank, world, port, args, queue):
     conc = []
     for name, asked in [(n, a) for n in args.transports for a in args.concurrent_sms]:
         with SmBudget(asked, device=dev, mode="green") as budget:
-            tr, lay = transports[name], layouts[name]
-            tr.num_sms = budget.comm_sms
+            tr, lay, sms = transports[name], layouts[name], budget.comm_sms
 
             def comm():
-                tr.dispatch(x, None, topk, weights, in_rank, num_local, quantize=True,
+                tr.dispatch(x, None, topk, weights, in_rank, num_local, num_sms=sms, quantize=True,
                             num_worst_tokens=worst, cached=lay)
-                tr.combine(y, None, lay)
+                tr.combine(y, None, lay, num_sms=sms)
 
             with torch.cuda.stream(budget.comm_stream):  # warm, and the host time to queue one call
                 comm()
@@ -526,34 +493,8 @@ def main():
     parser.add_argument("--transports", nargs="+", default=["nvlink", "nvlink_copy_engine", "copy_engine"],
                         choices=["nvlink", "nvlink_copy_engine", "copy_engine"])
     parser.add_argument("--chunks", type=int, default=8, help="copy_engine: chunks per rank's tokens")
-    parser.add_argument("--quantize-step", type=int, nargs=2, default=[16, 8], metavar=("TOKENS", "GROUPS"),
-                        help="nvlink FP8 dispatch: tokens per step and groups of 128 values quantized at a time")
-    parser.add_argument("--copy-share", type=float, default=1.0,
-                        help="nvlink_copy_engine: share of a dispatch's rows the copy engines move (eager rows)")
-    parser.add_argument("--combine-copy-share", type=float, default=1.0,
-                        help="nvlink_copy_engine: share of a combine's rows the copy engines move (every row)")
-    parser.add_argument("--combine-chunks", type=lambda text: tuple(float(f) for f in text.split(",")), nargs="+",
-                        default=[None],
-                        help="nvlink_copy_engine: the combine's copy chunks replayed from CUDA graphs, each as "
-                             "increasing fractions ending with 1 (e.g. 0.4,0.7,0.9,1); default: the transport's "
-                             "default_combine_chunks for each comm SM count")
-    parser.add_argument("--quantized-rows-by", nargs="+", default=["sm"], choices=["sm", "copy_engine"],
-                        help="nvlink_copy_engine: who moves the rows of an FP8 dispatch that quantizes, replayed from "
-                             "CUDA graphs (sm: the kernel pushes them; copy_engine: staged, then copied)")
-    parser.add_argument("--stage-chunks", type=int, nargs="+", default=[4],
-                        help="nvlink_copy_engine: launches that stage an FP8 dispatch's rows, replayed from CUDA graphs")
-    parser.add_argument("--copy-shares", type=float, nargs="+", default=[1.0, 0.7],
-                        help="nvlink_copy_engine: dispatch shares replayed from CUDA graphs")
-    parser.add_argument("--e4m3-store-bytes", type=int, nargs="+", default=[16], choices=[8, 16],
-                        help="NVLink transports replayed from CUDA graphs: an FP8 dispatch that quantizes stores each "
-                             "thread's e4m3 bytes as one 16-byte vector (16, the default) or two 8-byte halves (8)")
     parser.add_argument("--combine-weights", action="store_true",
                         help="NVLink transports replayed from CUDA graphs: also time a combine that sums top-k weights")
-    parser.add_argument("--combine-tokens-per-step", type=int, default=None,
-                        help="NVLink transports replayed from CUDA graphs: tokens each program sums per combine step "
-                             "(default: the transport's, 8 with 2 ranks, else 4)")
-    parser.add_argument("--num-warps", type=int, default=16,
-                        help="nvlink, nvlink_copy_engine: warps per program of the dispatch and combine kernels")
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     parser.add_argument("--name", default="ep", help="writes bench/results/<name>.json (default: ep)")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """Where the quantizing dispatch puts each thread's e4m3 bytes (Triton's interpreter, on the CPU): the halves that
-`smsplit.ep.nvlink.e4m3_halves` makes of a row's bytes (an fp32 / fp16 x's path), stored at the word offsets
+`smsplit.ep.kernels.rows.e4m3_halves` makes of a row's bytes (an fp32 / fp16 x's path), stored at the word offsets
 `chunk_halves` gives (every path), rebuild the row byte for byte, poisoned output. (A bf16 x's halves come from
 inline PTX, which the interpreter cannot run: the GPU tests compare those rows with the reference bit for bit.)"""
 
@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     import triton
     import triton.language as tl
-    from smsplit.ep.nvlink import chunk_halves, e4m3_halves
+    from smsplit.ep.kernels.rows import chunk_halves, e4m3_halves
 
     @triton.jit
     def place(q_ptr, out_ptr, NG: tl.constexpr, TB: tl.constexpr, QG: tl.constexpr):

@@ -36,7 +36,7 @@ def test_copy_engine_kernels_compile_with_their_ptx():
     text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, dict(sig, x_ptr="*bf16", recv_x="*fp8e4nv"),
                                    dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512), num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the packing
-    # the e4m3 rows are packed in 16-byte stores (smsplit.ep.nvlink.load_tokens), not one byte at a time
+    # the e4m3 rows are packed in 16-byte stores (smsplit.ep.kernels.rows.load_tokens), not one byte at a time
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
     sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "bases_ptr": "*i64", "exit_ptr": "*i32",
            "status_addr": "i64", "fail_ptr": "*i32", "own_buf": "*u8", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",

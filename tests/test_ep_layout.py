@@ -6,8 +6,8 @@ import torch
 from oracles import dispatch_layout as loop_layout  # the layout by Python loops
 from smsplit import ptx
 from smsplit.ep import EventOverlap, compute_dispatch_layout
-from smsplit.ep.layout import (check_dispatch_layout, layout_kernel, to_local_expert_ids, token_positions,
-                               token_positions_kernel)
+from smsplit.ep.layout import check_dispatch_layout, layout_kernel, token_positions, token_positions_kernel
+from smsplit.ep.rows import to_local_expert_ids
 
 # the layout functions run torch operations on the CPU and one Triton kernel each on a GPU: both are checked
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -1,119 +1,153 @@
 """The SM-push NVLink transport: kernels compile for sm_90 (CPU), and on 2+ GPUs dispatch/combine
 match an independent computation from all ranks' inputs."""
 
+import inspect
 import os
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from smsplit import ptx
-from smsplit.ep import nvlink
+from smsplit.ep import nvlink, nvlink_plan
+from smsplit.ep.kernels import rows as kernel_rows
+from smsplit.ep.kernels.common import CTX_TIMEOUT
 from smsplit.ep import transport as nvlink_transport
-from ep_harness import misaligned_copy
+from ep_harness import misaligned_copy, spawn
 from smsplit.launch import free_port
 from smsplit.ep.transport import all_gather_into_tensor
 from smsplit.fp8 import quantize_1x128
 
 
-# combine_kernel's argument types, and the arguments compiled as multiples of 16, for compiling it on the CPU
-COMBINE_SIGNATURE = {
-    "y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
-    "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
-    "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32",
-    "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32",
-    "off_cx": "i64", "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
-    "timeout_ns": "i64", "VEC": "constexpr", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr",
-    "TB": "constexpr", "HAS_WEIGHTS": "constexpr", "WAIT_COPIES": "constexpr", "CHUNKS": "constexpr",
-    "CP": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-COMBINE_ALIGNED = [name for name, kind in COMBINE_SIGNATURE.items()
-                   if kind.startswith("*") or name.startswith("off_")] + ["H"]
+# The kernels' argument types for compiling them on the CPU (`ptx.compile_for_sm90`): pointers and H compiled as
+# multiples of 16, as Triton specializes them at launch; an absent tensor is None (compiled as a constant).
+DISPATCH_SIGNATURE = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32",
+                      "pos_ptr": "*i32", "layout_ptr": "*i32", "ctx_ptr": "*i64", "state_ptr": "*i32", "T": "i32",
+                      "H": "i32", "K": "i32", "rank": "i32", "R": "i32", "num_local_experts": "i32",
+                      "num_worst": "i32", "trace_ptr": "*i64", "trace_tag": "i32"}
+COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
+                     "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
+                     "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32",
+                     "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32", "off_cx": "i64",
+                     "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
+                     "timeout_ns": "i64", "trace_ptr": "*i64", "trace_tag": "i32"}
+# the shapes of bench/ep.py (DeepSeek-V3: hidden 7168, top-8) on 2 ranks
+DISPATCH_SHAPE = {"GATE": False, "VEC": 1024, "GROUPS": 64, "KP": 8, "RP": 2}
+
+
+def compile_kernel(kernel, signature, constexprs, absent=("trace_ptr",), **types):
+    """``ptx.compile_for_sm90`` of an NVLink kernel with 16 warps (as the transport launches them); ``absent``: the
+    pointers passed as None; ``types``: argument types that differ from the signature's."""
+    params = inspect.signature(kernel.fn).parameters  # (each kernel takes the signature's arguments it needs)
+    sig = {name: types.get(name, kind) for name, kind in signature.items() if name not in absent and name in params}
+    aligned = [name for name, kind in sig.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
+    return ptx.compile_for_sm90(kernel, sig, {**constexprs, **{name: None for name in absent}}, num_warps=16,
+                                aligned=aligned)
+
+
+def waits(text):
+    """Bounded waits (`ptx.wait_geq_sys`) in a kernel's PTX."""
+    return text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
 
 
 @pytest.mark.compile
-def test_dispatch_and_combine_kernels_compile_with_their_ptx():
-    base = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
-            "layout_ptr": "*i32", "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "T": "i32",
-            "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "num_local_experts": "i32", "num_worst": "i32",
-            "off_x": "i64", "off_scales": "i64", "off_topk": "i64", "off_weights": "i64", "off_src": "i64",
-            "sig_off": "i64", "off_copied": "i64", "copied_ptr": "*i32", "fill_from": "i32", "fill_to": "i32", "timeout_ns": "i64",
-            "off_stage": "i64",
-            "t_begin": "i32", "t_end": "i32", "first": "i32", "X_BYTES": "constexpr", "QUANTIZE": "constexpr",
-            "HAS_SCALES": "constexpr", "WAIT_COPIES": "constexpr", "STAGE": "constexpr", "SYNC": "constexpr",
-            "GATE": "constexpr", "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr",
-            "GROUPS": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "QG": "constexpr",
-            "WIDE_E4M3": "constexpr", "TRACE": "constexpr",
-            "trace_ptr": "*i64", "trace_tag": "i32"}
-    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "WAIT_COPIES": False, "STAGE": False, "SYNC": True,
-              "GATE": False, "HAS_TOPK": True, "HAS_WEIGHTS": True, "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4,
-              "QG": 8, "WIDE_E4M3": False, "TRACE": False}
-    aligned = [name for name, kind in base.items() if kind.startswith("*") or name.startswith("off_")] + ["H"]
-    text, cubin = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
+def test_dispatch_kernel_pushes_16_byte_vectors_and_waits_for_every_source():
+    text, cubin = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, DISPATCH_SHAPE,
+                                 absent=("scales_ptr", "trace_ptr"))
     for name in ("ld_global_nc_v4", "st_global_na_v4", "ld_acquire_sys", "atom_add_release_sys", "fence_acq_rel_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
-    quant = dict(base, x_ptr="*bf16")
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512),
-                                   num_warps=16, aligned=aligned)
+    assert cubin[:4] == b"\x7fELF"
+    assert waits(text) == 1  # for the peers' arrivals; no copies to wait for
+    # a cached dispatch (no count exchange before it) waits for every peer's start signal before storing into it
+    gated, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, dict(DISPATCH_SHAPE, GATE=True),
+                              absent=("scales_ptr", "trace_ptr"))
+    assert waits(gated) == 2
+    # FP8 input with its scales: the same 16-byte moves, e4m3 rows
+    fp8, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, dict(DISPATCH_SHAPE, VEC=512))
+    assert ptx.INSTRUCTIONS["st_global_na_v4"] in fp8 and waits(fp8) == 1
+    assert not re.search(r"st\.global(\.\w+)*\.b8", fp8)
+    # traced: the program's record at the end (SM id and the global timer)
+    traced, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, DISPATCH_SHAPE, absent=("scales_ptr",))
+    assert "%smid" in traced and "%smid" not in text
+
+
+@pytest.mark.compile
+def test_fp8_dispatch_kernel_quantizes_packed_words_and_stores_16_byte_vectors():
+    sig = {name: kind for name, kind in DISPATCH_SIGNATURE.items() if name != "scales_ptr"}
+    text, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512), x_ptr="*bf16")
     # FP8 quantization fused into the dispatch, on packed bf16 words
     for name in ("bf16x8_absmax_bits", "e4m3x4_from_bf16x4"):
         assert ptx.INSTRUCTIONS[name] in text, name
-    # the e4m3 rows go out in 16-byte stores of the bytes each thread quantized, not one byte at a time
-    assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
-    # WIDE_E4M3: each thread's 16 adjacent values, loaded through L1, stored as one 16-byte vector (no 8-byte stores)
-    wide, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512,
-                                                                       TB=16, WIDE_E4M3=True),
-                                   num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["ld_global_nc_l1_v4"] in wide and ptx.INSTRUCTIONS["st_global_na_v2"] not in wide
-    assert wide.count("bar.sync") == text.count("bar.sync")  # (no shared-memory exchange added: only the waits')
-    # bounded waits: for the peers' arrivals, and for this rank's copies to land before it fills their holes
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, consts, num_warps=16, aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
-    # a cached dispatch (no count exchange before it) waits for every peer's start signal before storing into it
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, GATE=True), num_warps=16,
-                                   aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 3
-    # copy engines move the rows to peers: the kernel also waits for the peers' copy-done flags
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, base, dict(consts, WAIT_COPIES=True),
-                                   num_warps=16, aligned=aligned)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 3
-    # FP8 rows staged for the copy engines: a launch over a range of tokens that waits for nothing and signals only
-    # the dispatch's start (its first launch: the start signal, and the word the peers' copy streams wait for)
-    fp8 = dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512, STAGE=True, WAIT_COPIES=True, TB=16)  # (its default TB)
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, dict(fp8, SYNC=False), num_warps=16, aligned=aligned)
-    # each thread's e4m3 bytes go out as two 8-byte halves (values 8 j .. and 64 + 8 j .. of a group)
-    assert ptx.INSTRUCTIONS["st_global_na_v2"] in text and ptx.INSTRUCTIONS["wait_geq_sys"] not in text
-    assert text.count(ptx.INSTRUCTIONS["atom_add_release_sys"]) == 1 and ptx.INSTRUCTIONS["st_release_sys"] in text
-    # each thread quantizes the 16 values of its own two loads into one 16-byte vector: no exchange of bytes
-    # between threads (packing 16-byte vectors from fp32 values took a shared-memory round trip and barriers per
-    # step: 6 bar.sync in all), and the scales go out from the layout they were computed in (a tl.store of them took
-    # a shared-memory round trip and 2 bar.sync per chunk)
-    assert "bar.sync" not in text and ptx.INSTRUCTIONS["st_global_b32"] in text
-    text, _ = ptx.compile_for_sm90(nvlink.dispatch_kernel, quant, fp8, num_warps=16, aligned=aligned)
-    assert ptx.INSTRUCTIONS["atom_add_release_sys"] in text
-    # its last launch waits for arrivals and the peers' copies, not for its own copies (hole fillers were staged)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
-    sig, aligned = COMBINE_SIGNATURE, COMBINE_ALIGNED
-    consts = {"VEC": 1024, "HB": 8192, "KP": 16, "RP": 2, "TB": 2, "HAS_WEIGHTS": True,
-              "WAIT_COPIES": False, "CHUNKS": 1, "CP": 1, "TRACE": False}
-    text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
+    # each thread loads its 16 adjacent values (the second load of each sector from L1) and stores their e4m3 bytes
+    # as one 16-byte vector: no 8-byte halves, not one byte at a time
+    assert ptx.INSTRUCTIONS["ld_global_nc_l1_v4"] in text and ptx.INSTRUCTIONS["st_global_na_v4"] in text
+    assert ptx.INSTRUCTIONS["st_global_na_v2"] not in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
+    # nothing moves between threads but the group maxima: no barrier beyond the waits' (as many as the BF16 push
+    # kernel's, whose only barriers are its waits'), and the scales go out from the layout they were computed in
+    # (a tl.store of them took a shared-memory round trip and 2 bar.sync per chunk)
+    bf16, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, DISPATCH_SHAPE,
+                             absent=("scales_ptr", "trace_ptr"))
+    assert text.count("bar.sync") == bf16.count("bar.sync") and ptx.INSTRUCTIONS["st_global_b32"] in text
+    assert waits(text) == 1
+    gated, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512, GATE=True),
+                              x_ptr="*bf16")
+    assert waits(gated) == 2
+    for dtype in ("*fp32", "*fp16"):  # other float x: loaded and quantized as fp32 values, the same stores
+        other, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512), x_ptr=dtype)
+        assert ptx.INSTRUCTIONS["e4m3x4_from_bf16x4"] in other and ptx.INSTRUCTIONS["st_global_na_v4"] in other
+
+
+@pytest.mark.compile
+def test_copied_dispatch_kernel_waits_for_the_copies_before_it_fills_their_holes():
+    sig = dict(DISPATCH_SIGNATURE, plan_ptr="*i32")
+    text, _ = compile_kernel(nvlink.dispatch_copied_kernel, sig, DISPATCH_SHAPE, absent=("scales_ptr", "trace_ptr"))
+    # bounded waits: for the peers' arrivals, for this rank's copies to land before it fills their holes, and for
+    # the peers' copies to land here; the X_FREE words the copy streams wait for
+    assert waits(text) == 3 and ptx.INSTRUCTIONS["st_release_sys"] in text
+    assert ptx.INSTRUCTIONS["ld_global_nc_v4"] in text and ptx.INSTRUCTIONS["st_global_na_v4"] in text
+    gated, _ = compile_kernel(nvlink.dispatch_copied_kernel, sig, dict(DISPATCH_SHAPE, GATE=True))
+    assert waits(gated) == 4
+
+
+def compile_combine(weights=True, **constexprs):
+    """The combine kernel compiled with the bench's shape on 2 ranks (top-k weights or none), ``constexprs``
+    changed."""
+    absent = ("trace_ptr",) if weights else ("trace_ptr", "yw_ptr", "out_w_ptr")
+    return compile_kernel(nvlink.combine_kernel, COMBINE_SIGNATURE,
+                          {"HB": 8192, "KP": 8 if weights else 1, "RP": 2, "WAIT_COPIES": False, "CHUNKS": 1,
+                           **constexprs}, absent=absent)
+
+
+@pytest.mark.compile
+def test_combine_kernel_compiles_with_its_ptx():
+    text, _ = compile_combine()
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text
     # two bounded waits (every peer has summed the previous combine; every peer's rows are in) and two signals
     # (rows pushed; sum done)
-    assert text.count(ptx.INSTRUCTIONS["wait_geq_sys"]) == 2
-    assert text.count(ptx.INSTRUCTIONS["atom_add_release_sys"]) == 2
+    assert waits(text) == 2 and text.count(ptx.INSTRUCTIONS["atom_add_release_sys"]) == 2
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
-    # copy engines push some rows: one more bounded wait, for their copy-done flags
-    text_ce, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, dict(consts, WAIT_COPIES=True, CHUNKS=4, CP=4),
-                                      num_warps=16, aligned=aligned)
+    # copy engines return the rows: more bounded waits, for their chunks' copy-done flags
+    copied, _ = compile_combine(WAIT_COPIES=True, CHUNKS=4)
+    assert waits(copied) > waits(text) and re.search(r"ld\.global\.cg\.v4", copied)
     # the counter bump after a copy chain never waits (a spinning kernel there could hold an SM a peer's combine
     # needs); a combine's copies wait for the peers' sums by stream memory operations
     plain, _ = ptx.compile_for_sm90(nvlink.bump_kernel, {"counter_ptr": "*i32"}, {}, num_warps=1)
     assert ptx.INSTRUCTIONS["wait_geq_sys"] not in plain
-    assert text_ce.count(ptx.INSTRUCTIONS["wait_geq_sys"]) > text.count(ptx.INSTRUCTIONS["wait_geq_sys"])
+
+
+def test_kernels_take_about_20_parameters_and_per_call_values_do_not_recompile():
+    """Each dispatch kernel's signature is what it needs (about 20 parameters, constexprs included); the combine
+    keeps its 31 (see `smsplit.ep.kernels.combine`: split or with loaded constants, its sum spilled under Triton
+    3.7-3.9). The values that change from call to call (a trace's tag, a receive size) are not specialized on."""
+    kernels = (nvlink.notify_kernel, nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel)
+    for kernel in kernels:
+        assert len(kernel.params) <= 23, (kernel.fn.__name__, len(kernel.params))
+    assert len(nvlink.combine_kernel.params) <= 31
+    for kernel in kernels[1:] + (nvlink.combine_kernel,):
+        assert "trace_tag" in [p.name for p in kernel.params if p.do_not_specialize], kernel.fn.__name__
+    assert "y_rows" in [p.name for p in nvlink.combine_kernel.params if p.do_not_specialize]
 
 
 def _spill_bytes(ptx_text: str) -> int:
@@ -133,14 +167,11 @@ def _spill_bytes(ptx_text: str) -> int:
 
 @pytest.mark.compile
 def test_combine_kernel_does_not_spill_with_two_ranks():
-    """The combine at its default 8 tokens a step on 2 ranks, with and without top-k weights, keeps its registers
-    (with weights in the rows' loop it spilled 76 bytes and a weighted combine took 258 us against 204 without, at
-    20 SMs on 2 H200; BENCHMARKS.md §2, session 27)."""
-    sig, aligned = COMBINE_SIGNATURE, COMBINE_ALIGNED
+    """The combine beside copy engines (the fastest transport's) at its 8 tokens a step on 2 ranks, with and without
+    top-k weights, keeps its registers (with weights in the rows' loop it spilled 76 bytes and a weighted combine
+    took 258 us against 204 without, at 20 SMs on 2 H200; BENCHMARKS.md §2)."""
     for weights in (False, True):
-        consts = {"VEC": 1024, "HB": 8192, "KP": 8, "RP": 2, "TB": 8, "HAS_WEIGHTS": weights,
-                  "WAIT_COPIES": True, "CHUNKS": 4, "CP": 4, "TRACE": False}
-        text, _ = ptx.compile_for_sm90(nvlink.combine_kernel, sig, consts, num_warps=16, aligned=aligned)
+        text, _ = compile_combine(weights, WAIT_COPIES=True, CHUNKS=4)
         assert _spill_bytes(text) == 0, f"weights {weights}"
 
 
@@ -225,9 +256,9 @@ def expected_combine(x, in_rank, factor=1.0):
     return acc.to(torch.bfloat16)
 
 
-def received_order(in_ranks, rank, share):
+def received_order(in_ranks, rank):
     """Which row of `expected_dispatch` each received row is with bulk="copy_engine": per source, the rows of its
-    copied prefix stay, its first tokens after the prefix fill the prefix's holes (`_prefix_plan`, checked
+    copied prefix stay, its first tokens after the prefix fill the prefix's holes (`prefix_plan`, checked
     against a loop on the CPU); the source's own rank keeps token order."""
     order, first = [], 0
     for source, in_rank in enumerate(in_ranks):
@@ -236,12 +267,25 @@ def received_order(in_ranks, rank, share):
         if source == rank:
             order += range(first, first + sent)
         else:
-            _, pos = nvlink._prefix_plan(flags, share)
+            _, pos = nvlink_plan.prefix_plan(flags)
             index = torch.full((sent,), -1, dtype=torch.int64)
             index[torch.from_numpy(pos[flags]).long()] = torch.arange(first, first + sent)
             order += index.tolist()
         first += sent
     return torch.tensor(order, dtype=torch.int64)
+
+
+SMS = 8  # the SM count of the tests' calls, where they do not vary it
+# the SM counts of `_transport_rounds`' calls, by case: each call passes its own (the combine's copy chunks follow:
+# three below 20 SMs, four from 20 on)
+CASE_SMS = (8, 20, 3, 16, 24, 8, 32, 5, 20, 12)
+
+
+def _shorten_timeout(transport, seconds):
+    """The transport's later waits give up after ``seconds`` (the NVLink kernels read it from the context table)."""
+    transport.timeout_s, transport.timeout_ns = seconds, int(seconds * 1e9)
+    if hasattr(transport, "ctx"):
+        transport.ctx[CTX_TIMEOUT.value] = transport.timeout_ns
 
 
 def _worker(rank, world, port, cases, kind="nvlink"):
@@ -258,14 +302,14 @@ def _transport_rounds(rank, world, group, dev, cases, kind, peer_timeout=True):
     a dispatch, rank 0 must raise naming one."""
     H, E, max_tokens = 2048, 32 // world * world, 512  # (32 experts for 2, 4 and 8 ranks)
     if kind in ("nvlink", "nvlink_copy_engine"):
-        transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
-                                           timeout_s=20, bulk="sm" if kind == "nvlink" else "copy_engine")
+        transport = nvlink.NvlinkTransport(group, dev, max_tokens=max_tokens, hidden=H, max_topk=9, timeout_s=20,
+                                           bulk="sm" if kind == "nvlink" else "copy_engine")
         poison_from = transport.offsets["x"]
     else:
         from smsplit.ep.copy_engine import CopyEngineTransport
 
-        transport = CopyEngineTransport(group, dev, num_sms=8, max_tokens=max_tokens, hidden=H, max_topk=9,
-                                        num_chunks=3, timeout_s=20)
+        transport = CopyEngineTransport(group, dev, max_tokens=max_tokens, hidden=H, max_topk=9, num_chunks=3,
+                                        timeout_s=20)
         poison_from = transport.offsets["sx"]
         pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}  # every stream torch's pool hands out
         assert not pooled & {s.cuda_stream for s in transport.copy_streams}, "a copy stream is a pooled stream"
@@ -287,35 +331,24 @@ def _transport_rounds(rank, world, group, dev, cases, kind, peer_timeout=True):
             for r in range(world):
                 hit[:, r] = ((t >= r * num_local) & (t < (r + 1) * num_local)).any(1)
             in_ranks.append(hit)
-        # FP8 made in the kernel (cases 3 and 5: pushed and staged with bulk="copy_engine"): case 5 stores the e4m3
-        # bytes as 8-byte halves (16-byte vectors, the default, elsewhere)
-        transport.e4m3_store_bytes = 8 if case == 5 else 16
-        if kind == "nvlink_copy_engine":  # a combine's copies in 4 chunks, one, and 8 (the most), all rows or some
-            transport.combine_chunks = COMBINE_CHUNKS[case % len(COMBINE_CHUNKS)]
-            transport.combine_copy_share = (1.0, 0.7, 0.5, 0.0)[case % 4]
-            transport.stage_chunks = (4, 1, 7)[case % 3]  # FP8 made in the kernel: staged in this many launches
-            # a dispatch's copied prefix: none, all (BF16 and FP8, top-8/9: a few holes) or some
-            transport.copy_share = (0.0, 1.0, 0.9, 1.0, 0.7, 0.7, 1.0, 0.9)[case % 8]
-            # FP8 quantized in the dispatch (cases 3 and 5): pushed onto the copy plan's rows, then staged
-            # (staged FP8 needs 2 ranks at most)
-            transport.quantized_rows_by = ("sm", "copy_engine")[case // 5 % 2] if world <= 2 else "sm"
+        sms = CASE_SMS[case % len(CASE_SMS)]
         # poison the receive area between rounds
         transport.buffer[poison_from:].fill_(0x7F)
         x_in, scales_in = quantize_1x128(xs[rank]) if quantize == "input" else (xs[rank], None)
         rx, rs, rk, rw, rsrc, layout = transport.dispatch(
-            x_in, scales_in, topks[rank], ws[rank], in_ranks[rank], num_local, quantize=quantize is True,
+            x_in, scales_in, topks[rank], ws[rank], in_ranks[rank], num_local, num_sms=sms, quantize=quantize is True,
             num_worst_tokens=worst)
         torch.cuda.synchronize()
         transport.raise_if_failed()
-        if kind == "nvlink_copy_engine":  # one copy per peer of the first rows of x (or of the staged rows: FP8)
-            split = layout.splits[("dispatch", transport.copy_share)]
+        if kind == "nvlink_copy_engine":  # one copy per peer of the first rows of x (FP8 made here: none, pushed)
+            split = layout.splits["dispatch"]
             assert [(d, m) for d, m, _ in split.copies] == [
                 (d, m) for d in range(world) if d != rank
-                for m in [nvlink._prefix_plan(in_ranks[rank][:, d].cpu().numpy(), transport.copy_share)[0]] if m]
+                for m in [nvlink_plan.prefix_plan(in_ranks[rank][:, d].cpu().numpy())[0]] if m]
         ex, ek, ew, esrc = expected_dispatch(xs, topks, ws, in_ranks, rank, num_local)
         n = ex.size(0)
         if kind == "nvlink_copy_engine":  # a source's rows: holes of its copied prefix filled by later tokens
-            order = received_order(in_ranks, rank, transport.copy_share)
+            order = received_order(in_ranks, rank)
             ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         assert int(torch.as_tensor(layout.num_recv_tokens).item()) == n
         assert rx.size(0) == (worst if worst else n)
@@ -334,21 +367,23 @@ def _transport_rounds(rank, world, group, dev, cases, kind, peer_timeout=True):
         y[:n] = (ex.float() * (rank + 1)).to(torch.bfloat16)
         yw = torch.zeros(rx.size(0), K, device=dev)
         yw[:n] = ew * (rank + 1)
-        out, out_w = transport.combine(y, yw, layout)
+        out, out_w = transport.combine(y, yw, layout, num_sms=sms)
         torch.cuda.synchronize()
         transport.raise_if_failed()
+        if kind == "nvlink_copy_engine":  # the combine's copies in the chunks of this call's SM count
+            assert ("combine", nvlink_plan.default_combine_chunks(sms)) in layout.splits
         acc_w = torch.zeros(T_all[rank], K, device=dev)
         for d in range(world):
             acc_w[in_ranks[rank][:, d]] += ws[rank][in_ranks[rank][:, d]] * (d + 1)
         assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank])), f"case {case}: combine differs"
         torch.testing.assert_close(out_w, acc_w, rtol=1e-6, atol=1e-6)
     # a peer that never arrives: the other ranks skip the dispatch, rank 0 must raise, naming one of them
-    transport.timeout_ns = int(2e9)
+    _shorten_timeout(transport, 2)
     if rank == 0 and peer_timeout:
         x = torch.randn(layout.num_tokens, H, device=dev, dtype=torch.bfloat16)
         in_rank = torch.ones(layout.num_tokens, world, dtype=torch.bool, device=dev)
         try:  # the copy-engine transport's layout is a collective: reuse the last one
-            transport.dispatch(x, None, None, None, in_rank, num_local,
+            transport.dispatch(x, None, None, None, in_rank, num_local, num_sms=SMS,
                                cached=layout if kind == "copy_engine" else None)
             torch.cuda.synchronize()
             transport.raise_if_failed()
@@ -357,8 +392,6 @@ def _transport_rounds(rank, world, group, dev, cases, kind, peer_timeout=True):
         else:
             raise AssertionError("no timeout raised")
 
-
-COMBINE_CHUNKS = [(0.4, 0.7, 0.9, 1.0), (1.0,), (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)]
 
 # Rounds of `_worker`: (tokens on each rank, top-k, FP8: False (BF16), True (quantized in the dispatch) or "input"
 # (x quantized before, dispatched with its scales), num_worst_tokens); each transport's test adds its own.
@@ -372,8 +405,7 @@ DISPATCH_CASES = [
     ((512, 512), 9, False, 0),     # reuse after padding, full size
 ]
 # FP8 input (DeepEP's `dispatch((x_fp8, scales), ...)`), appended after each test's own cases: with
-# bulk="copy_engine" the first at index 8 (copy share 0: the SMs move the e4m3 rows), the second at 9 (share 1: a
-# copy engine moves them)
+# bulk="copy_engine" a copy engine moves the e4m3 rows of the peers whose prefixes have few holes
 FP8_INPUT_CASES = [
     ((300, 257), 8, "input", 0),
     ((400, 350), 8, "input", 1024),  # padded: zero rows and scales past the received ones
@@ -388,9 +420,9 @@ NVLINK_CASES = DISPATCH_CASES + [((512, 480), 1, False, 0)] + FP8_INPUT_CASES
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_nvlink_dispatch_combine_match_reference_on_two_gpus():
-    mp.spawn(_worker, args=(2, free_port(), NVLINK_CASES), nprocs=2, join=True)
-    # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed, or staged and copied)
-    mp.spawn(_worker, args=(2, free_port(), NVLINK_CASES, "nvlink_copy_engine"), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), NVLINK_CASES), nprocs=2, join=True)
+    # the same with a copy engine moving the runs of rows (FP8 quantized in the dispatch: pushed by the kernel)
+    spawn(_worker, args=(2, free_port(), NVLINK_CASES, "nvlink_copy_engine"), nprocs=2, join=True)
 
 
 def _gather_rank_and_transport_hooks(rank, world, group):
@@ -497,8 +529,8 @@ def _two_gpu_case(rank, world, port, T, H, seed, bulk):
     rank's inputs from ``seed`` (`_every_ranks_tokens`): ``(dev, transport, num_local, xs, topks, in_ranks)``."""
     dev = _init_nccl(rank, world, port)
     E, K = 32, 8
-    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
-                                       timeout_s=20, bulk=bulk)
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, max_tokens=T, hidden=H, max_topk=K, timeout_s=20,
+                                       bulk=bulk)
     return (dev, transport, E // world, *_every_ranks_tokens(seed, world, dev, T, H, E, K))
 
 
@@ -507,7 +539,8 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
     GPU is slowed by a GEMM on another stream: each result must still be its own inputs' sum (a combine must not
     overwrite the rows a peer still sums for the previous one)."""
     dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 1024, 7168, 7, bulk)
-    rx, _, _, _, rsrc, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    rx, _, _, _, rsrc, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local,
+                                                   num_sms=SMS)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -522,7 +555,7 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
             with torch.cuda.stream(side):
                 for _ in range(4):
                     a @ a
-        outs = [transport.combine(y, None, layout)[0] for y in ys]
+        outs = [transport.combine(y, None, layout, num_sms=SMS)[0] for y in ys]
         torch.cuda.synchronize()
         transport.raise_if_failed()
         for f, out in zip(scales, outs):
@@ -536,7 +569,7 @@ def _combines_in_a_row_worker(rank, world, port, bulk):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
 def test_combines_in_a_row_keep_each_ones_rows(bulk):
-    mp.spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
+    spawn(_combines_in_a_row_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
 
 
 def _pooled_streams_worker(rank, world, port):
@@ -548,7 +581,7 @@ def _pooled_streams_worker(rank, world, port):
     pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}
     assert len(pooled) < 70  # pooled: handed out again
     assert transport.copy_stream.cuda_stream not in pooled and transport.reset_stream.cuda_stream not in pooled
-    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, num_sms=SMS)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
     for round_ in range(40):
@@ -557,9 +590,10 @@ def _pooled_streams_worker(rank, world, port):
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            rx, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, cached=layout)
+            rx, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, num_sms=SMS,
+                                        cached=layout)
             y = (rx[:n].float() * (rank + 1)).to(torch.bfloat16)
-            out, _ = transport.combine(y, None, layout)
+            out, _ = transport.combine(y, None, layout, num_sms=SMS)
         stream.synchronize()
         transport.raise_if_failed()
         assert torch.equal(out, expected_combine(x, in_ranks[rank])), f"rank {rank}, round {round_}: round trip differs"
@@ -570,20 +604,18 @@ def _pooled_streams_worker(rank, world, port):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_calls_on_any_pooled_stream_never_wait_for_their_own_copies():
-    mp.spawn(_pooled_streams_worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_pooled_streams_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _late_copies_worker(rank, world, port):
     """A combine whose copies start late (a sleep queued on the copy stream first), eager and replayed from a CUDA
-    graph, while its kernel sums at once: with ``combine_copy_share`` < 1 a block of tokens whose last row the
-    source's SMs pushed may still hold rows of the last copied chunk, and must wait for that chunk's flag before it
-    sums. Here about 30 rows are copied, in two chunks, and the block of tokens 24..31 (the first block of program
-    3: 8 programs, 8 tokens per step) holds rows of the second chunk and pushed rows."""
+    graph, while its kernel sums at once: each block of tokens must wait for the flag of the last copied chunk that
+    holds one of its rows before it sums. At 8 SMs every row received from the peer comes back in three chunks (0.5,
+    0.8, 1.0 of them), and the blocks of 8 tokens each hold rows of one or two chunks."""
     dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 512, 2048, 11, "copy_engine")
-    assert transport.combine_tokens_per_step == 8
-    transport.combine_copy_share = 0.06
-    transport.combine_chunks = (0.5, 1.0)
-    rx, _, _, _, _, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local)
+    assert nvlink_plan.default_combine_chunks(SMS) == (0.5, 0.8, 1.0)
+    rx, _, _, _, _, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local,
+                                                num_sms=SMS)
     torch.cuda.synchronize()
     n = int(torch.as_tensor(layout.num_recv_tokens).item())
     for round_, f in enumerate((1.0, -2.0, 3.0, 0.5)):  # new rows each round: stale ones would show
@@ -592,7 +624,7 @@ def _late_copies_worker(rank, world, port):
         dist.barrier(device_ids=[rank])
         with torch.cuda.stream(transport.copy_stream):
             torch.cuda._sleep(2_000_000)  # about a millisecond before this rank's copies may start
-        out, _ = transport.combine(y, None, layout)
+        out, _ = transport.combine(y, None, layout, num_sms=SMS)
         torch.cuda.synchronize()
         transport.raise_if_failed()
         assert torch.equal(out, expected_combine(xs[rank], in_ranks[rank], f)), \
@@ -604,7 +636,7 @@ def _late_copies_worker(rank, world, port):
         transport.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(transport.copy_stream):
             torch.cuda._sleep(2_000_000)
-        return transport.combine(y, None, layout)[0]
+        return transport.combine(y, None, layout, num_sms=SMS)[0]
     _warm_up(step)
     graph, out = _capture(step, rank)
     for round_, f in enumerate((-1.0, 2.0, 0.25)):
@@ -624,7 +656,7 @@ def _late_copies_worker(rank, world, port):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_combine_sums_no_row_before_its_chunk_lands():
-    mp.spawn(_late_copies_worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_late_copies_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def in_reference_order(t, handle, rank):
@@ -643,17 +675,17 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
     results late (a sleep queued before its copy of them): a dispatch must not write into a peer's receive area
     before that peer has started it (so has read the previous results), or rank 1 copies the next dispatch's rows.
     Then a cached dispatch that rank 1 never makes: rank 0 raises EPTimeoutError naming rank 1 and the dispatch,
-    and its copy stream (waiting for rank 1's start) does not hang. ``quantize``: False (BF16), "pushed" or "staged"
-    (FP8 quantized in the dispatch, its rows pushed by the kernel or, with bulk="copy_engine", staged and copied)."""
+    and its copy stream (waiting for rank 1's start) does not hang. ``quantize``: False (BF16) or "pushed" (FP8
+    quantized in the dispatch, its rows pushed by the kernel)."""
     from smsplit.fp8 import quantize_1x128
 
     dev, transport, num_local, xs, topks, in_ranks = _two_gpu_case(rank, world, port, 256, 2048, 5, bulk)
-    transport.quantized_rows_by = "copy_engine" if quantize == "staged" else "sm"
     quantize = bool(quantize)
-    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, quantize=quantize)
+    *_, layout = transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, num_sms=SMS,
+                                    quantize=quantize)
     torch.cuda.synchronize()
     transport.raise_if_failed()
-    order = received_order(in_ranks, rank, transport.copy_share) if bulk == "copy_engine" else slice(None)
+    order = received_order(in_ranks, rank) if bulk == "copy_engine" else slice(None)
     scales = (2.0, -1.0, 0.5, 3.0)
     for round_ in range(2):
         torch.cuda.synchronize()
@@ -661,8 +693,8 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
         got = []
         for f in scales:
             x = (xs[rank].float() * f).to(torch.bfloat16)
-            rx, rs, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, quantize=quantize,
-                                            cached=layout)
+            rx, rs, *_ = transport.dispatch(x, None, topks[rank], None, in_ranks[rank], num_local, num_sms=SMS,
+                                            quantize=quantize, cached=layout)
             if rank == 1:
                 torch.cuda._sleep(2_000_000)  # about a millisecond before it reads what it received
             got.append((rx.clone(), rs.clone() if rs is not None else None))
@@ -678,10 +710,10 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
             else:
                 ok = torch.equal(rx[:n], ex)
             assert ok, f"rank {rank}, round {round_}: the dispatch of x{f} received other rows"
-    transport.timeout_ns = int(2e9)
+    _shorten_timeout(transport, 2)
     if rank == 0:  # rank 1 never makes this dispatch
-        transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, quantize=quantize,
-                           cached=layout)
+        transport.dispatch(xs[rank], None, topks[rank], None, in_ranks[rank], num_local, num_sms=SMS,
+                           quantize=quantize, cached=layout)
         torch.cuda.synchronize()
         try:
             transport.raise_if_failed()
@@ -696,9 +728,9 @@ def _cached_dispatches_worker(rank, world, port, bulk, quantize):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("bulk, quantize", [("sm", False), ("sm", "pushed"), ("copy_engine", False),
-                                            ("copy_engine", "pushed"), ("copy_engine", "staged")])
+                                            ("copy_engine", "pushed")])
 def test_cached_dispatches_in_a_row_wait_for_each_peer_to_read_the_last(bulk, quantize):
-    mp.spawn(_cached_dispatches_worker, args=(2, free_port(), bulk, quantize), nprocs=2, join=True)
+    spawn(_cached_dispatches_worker, args=(2, free_port(), bulk, quantize), nprocs=2, join=True)
 
 
 def _routed_tokens(g, n, H, E, K, dev):
@@ -913,9 +945,15 @@ def _buffer_rounds_worker(rank, world, port, backend):
 
 def _buffer_sms_worker(rank, world, port, backend):
     """A Buffer made without num_sms follows `Buffer.set_num_sms` and each call's `config.num_sms`: its kernels run
-    that many programs (the transport's count after each call) and every result equals the reference backend's."""
+    that many programs (the count each of its transport calls gets) and every result equals the reference backend's."""
     from smsplit.ep import Buffer, Config
 
+    sms_seen = []  # the num_sms of every transport call, as the calls pass it
+    for name in ("dispatch", "combine"):
+        def spy(self, *args, _original=getattr(nvlink.NvlinkTransport, name), **kwargs):
+            sms_seen.append(kwargs["num_sms"])
+            return _original(self, *args, **kwargs)
+        setattr(nvlink.NvlinkTransport, name, spy)
     dev = _init_nccl(rank, world, port)
     group = dist.group.WORLD
     T, E, K, H = 256, 16, 6, 2048
@@ -930,13 +968,13 @@ def _buffer_sms_worker(rank, world, port, backend):
         x, topk, w = _routed_tokens(g, T - 13 * rank - 7 * step, H, E, K, dev)
         outs = {}
         for name, buf in ((backend, fast), ("reference", ref)):
+            sms_seen.clear()
             common = _layout_kwargs(buf, topk, w, E, config=config)
             bf16 = buf.dispatch(x, **common)
             q = buf.dispatch(x, **common, fp8=True)
             combined, combined_w, _ = buf.combine(bf16[0], bf16[4], topk_weights=bf16[2], config=config)
             if name != "reference":
-                for handle in (bf16[4], q[4]):
-                    assert handle.transport_state.last_num_sms == expected, (step, handle.transport_state)
+                assert len(sms_seen) == 3 and set(sms_seen) == {expected}, (step, sms_seen)
             rows = [bf16[0], q[0][0].view(torch.uint8), q[0][1]]
             if name == "nvlink_copy_engine":
                 rows = [in_reference_order(rows[0], bf16[4], rank)] + [in_reference_order(t, q[4], rank)
@@ -951,7 +989,7 @@ def _buffer_sms_worker(rank, world, port, backend):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])
 def test_buffer_sm_count_follows_set_num_sms_and_config(backend):
-    mp.spawn(_buffer_sms_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+    spawn(_buffer_sms_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
@@ -959,7 +997,7 @@ def test_buffer_sm_count_follows_set_num_sms_and_config(backend):
 # 7168: DeepSeek-V3's width; 2176: 17 groups of 128, a partial last chunk in the FP8 quantization
 @pytest.mark.parametrize("hidden", [2048, 2176, 7168])
 def test_buffer_nvlink_backend_equals_reference_backend(hidden):
-    mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink", hidden), nprocs=2, join=True)
+    spawn(_buffer_worker, args=(2, free_port(), "nvlink", hidden), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
@@ -968,21 +1006,21 @@ def test_buffer_nvlink_backend_equals_reference_backend(hidden):
 @pytest.mark.parametrize("hidden,topk,routing", [(7168, 9, "random"), (2048, 1, "random"), (4096, 4, "one_rank"),
                                                  (2048, 8, "silent_rank")])
 def test_buffer_device_backends_equal_reference_for_any_top_k_and_routing(backend, hidden, topk, routing):
-    mp.spawn(_buffer_worker, args=(2, free_port(), backend, hidden, topk, routing), nprocs=2, join=True)
+    spawn(_buffer_worker, args=(2, free_port(), backend, hidden, topk, routing), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])
 def test_one_buffer_through_rounds_of_other_shapes_and_rejected_calls(backend):
-    mp.spawn(_buffer_rounds_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+    spawn(_buffer_rounds_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_buffer_nvlink_copy_engine_backend_equals_reference_backend():
     # the same rows (compared in source, token order: the copies fill holes with later tokens), sums and gradients
-    mp.spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
+    spawn(_buffer_worker, args=(2, free_port(), "nvlink_copy_engine", 7168), nprocs=2, join=True)
 
 
 def _small_buffer_dispatched(rank, world, port, backend, timeout_s, seed):
@@ -1030,7 +1068,7 @@ def _buffer_runs_ahead_worker(rank, world, port, backend):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine"])
 def test_a_buffer_combine_does_not_wait_for_work_queued_after_its_dispatch(backend):
-    mp.spawn(_buffer_runs_ahead_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+    spawn(_buffer_runs_ahead_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 def _buffer_kernel_timeout_worker(rank, world, port, backend):
@@ -1077,7 +1115,7 @@ def _buffer_kernel_timeout_worker(rank, world, port, backend):
 @pytest.mark.parametrize("backend", ["nvlink", "nvlink_copy_engine", "copy_engine"])  # (session 21, before the
 # NVLink kernels queued behind a failed one did nothing: nvlink_copy_engine hung, most likely a copy stream's wait)
 def test_a_kernel_timeout_is_raised_by_the_next_call_on_every_rank_without_waiting(backend):
-    mp.spawn(_buffer_kernel_timeout_worker, args=(2, free_port(), backend), nprocs=2, join=True)
+    spawn(_buffer_kernel_timeout_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 
 def _buffer_refused_worker(rank, world, port, kwargs_of_rank, argument, words):
@@ -1113,14 +1151,14 @@ def _num_sms_by_rank(rank):
 
 @pytest.mark.parametrize("kwargs_of_rank", [_nvlink_on_gloo, _nvlink_copy_engine_on_gloo, _copy_engine_on_gloo])
 def test_nvlink_backend_on_a_gloo_group_is_refused_with_a_reason(kwargs_of_rank):
-    mp.spawn(_buffer_refused_worker, args=(1, free_port(), kwargs_of_rank, "backend", ["NCCL"]), nprocs=1,
+    spawn(_buffer_refused_worker, args=(1, free_port(), kwargs_of_rank, "backend", ["NCCL"]), nprocs=1,
              join=True)
 
 
+@pytest.mark.compile
 def test_notify_kernel_compiles_with_its_flags():
-    sig = {"counts_ptr": "*i32", "bases_ptr": "*i64", "counts_off": "i64", "sig_off": "i64", "state_ptr": "*i32",
-           "layout_ptr": "*i32", "status_addr": "i64", "rank": "i32", "R": "i32", "num_worst": "i32",
-           "timeout_ns": "i64", "RP": "constexpr"}
+    sig = {"counts_ptr": "*i32", "ctx_ptr": "*i64", "state_ptr": "*i32", "layout_ptr": "*i32", "rank": "i32",
+           "R": "i32", "num_worst": "i32", "RP": "constexpr"}
     text, cubin = ptx.compile_for_sm90(nvlink.notify_kernel, sig, {"RP": 8}, num_warps=1)
     for name in ("atom_add_release_sys", "fence_acq_rel_sys", "wait_geq_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
@@ -1129,11 +1167,11 @@ def test_notify_kernel_compiles_with_its_flags():
 
 def test_ranks_with_different_num_sms_all_refuse_the_buffer():
     # the NVLink kernels wait for as many programs from every peer as they run themselves
-    mp.spawn(_buffer_refused_worker, args=(2, free_port(), _num_sms_by_rank, "num_sms", ["[20, 24]"]), nprocs=2,
+    spawn(_buffer_refused_worker, args=(2, free_port(), _num_sms_by_rank, "num_sms", ["[20, 24]"]), nprocs=2,
              join=True)
 
 
-def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
+def _graph_worker(rank, world, port, bulk="sm"):
     """NvlinkTransport with num_worst_tokens: dispatch, an "expert", and combine captured in one CUDA graph
     (no host synchronization inside), replayed with new inputs every round, checked against the oracle.
     With bulk="copy_engine" the routing stays that of the warm-up call (a cached layout: the copies are
@@ -1142,9 +1180,7 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
     group = dist.group.WORLD
     T, H, E, K = 192, 2048, 16, 4
     num_local, worst = E // world, world * T
-    transport = nvlink.NvlinkTransport(group, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K, timeout_s=20,
-                                       bulk=bulk, copy_share=1.0)  # (the other test takes the default share)
-    transport.quantized_rows_by = quantized_rows_by
+    transport = nvlink.NvlinkTransport(group, dev, max_tokens=T, hidden=H, max_topk=K, timeout_s=20, bulk=bulk)
     x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     topk = torch.empty(T, K, dtype=torch.int64, device=dev)
     w = torch.empty(T, K, dtype=torch.float32, device=dev)
@@ -1167,25 +1203,24 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
     cached = None
 
     def step():
-        rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst,
-                                                         cached=cached)
+        rx, _, rk, rw, rsrc, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_sms=SMS,
+                                                         num_worst_tokens=worst, cached=cached)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)  # the "expert"
         rx, rk, rw, rsrc = rx.clone(), rk.clone(), rw.clone(), rsrc.clone()  # (the FP8 dispatch below reuses the
         # receive area)
-        out, out_w = transport.combine(y, rw, layout)
-        # the same tokens quantized in the dispatch (bulk="copy_engine": pushed, or staged then copied in chunks)
-        qx, qs, *_ = transport.dispatch(x, None, topk, w, in_rank, num_local, quantize=True, num_worst_tokens=worst,
-                                        cached=layout)
+        out, out_w = transport.combine(y, rw, layout, num_sms=SMS)
+        # the same tokens quantized in the dispatch (bulk="copy_engine": pushed by the kernel onto the copy's rows)
+        qx, qs, *_ = transport.dispatch(x, None, topk, w, in_rank, num_local, num_sms=SMS, quantize=True,
+                                        num_worst_tokens=worst, cached=layout)
         return rx, rk, rw, rsrc, layout, out, out_w, qx.clone(), qs.clone()
 
     fill(0)
     *_, warm_layout, _, _, _, _ = _warm_up(step)
     if bulk == "copy_engine":
         cached = warm_layout
-        planned = {"dispatch", "combine"} | ({"stage"} if quantized_rows_by == "copy_engine" else set())
-        assert planned <= {key[0] for key in cached.splits}  # copy engines move rows
-        split = cached.splits[("dispatch", 1.0)]
-        assert split.copies and split.fill_from < T  # the rows go in one copy, and some holes are filled after it
+        assert set(cached.splits) == {"dispatch", ("combine", nvlink_plan.default_combine_chunks(SMS))}
+        split = cached.splits["dispatch"]
+        assert split.copies and split.plan[world] < T  # the rows go in one copy, and some holes are filled after it
     graph, (rx, rk, rw, rsrc, layout, out, out_w, qx, qs) = _capture(step, rank)
     for round_ in range(1, 4):
         fill(round_)
@@ -1203,8 +1238,8 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
         ex, ek, ew, esrc = expected_dispatch(*inputs, rank, num_local)
         n = ex.size(0)
         assert int(layout.num_recv_tokens.item()) == n
-        if bulk == "copy_engine":  # the rows of the copy (the staged FP8 dispatch puts them on the same rows)
-            order = received_order(inputs[3], rank, 1.0)
+        if bulk == "copy_engine":  # the rows of the copy (the FP8 dispatch puts them on the same rows)
+            order = received_order(inputs[3], rank)
             ex, ek, ew, esrc = ex[order], ek[order], ew[order], esrc[order]
         ref_q, ref_s = quantize_1x128(ex)
         assert torch.equal(rx[:n], ex) and torch.equal(rk[:n], ek) and torch.equal(rw[:n], ew)
@@ -1221,9 +1256,9 @@ def _graph_worker(rank, world, port, bulk="sm", quantized_rows_by="sm"):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("bulk, quantized_rows_by", [("sm", "sm"), ("copy_engine", "sm"), ("copy_engine", "copy_engine")])
-def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk, quantized_rows_by):
-    mp.spawn(_graph_worker, args=(2, free_port(), bulk, quantized_rows_by), nprocs=2, join=True)
+@pytest.mark.parametrize("bulk", ["sm", "copy_engine"])
+def test_nvlink_dispatch_combine_replay_in_a_cuda_graph(bulk):
+    spawn(_graph_worker, args=(2, free_port(), bulk), nprocs=2, join=True)
 
 
 def _overflow_worker(rank, world, port, peer_sends):
@@ -1238,8 +1273,8 @@ def _overflow_worker(rank, world, port, peer_sends):
     T, H, E, K = 128, 2048, 16, 2
     num_local = E // world
     worst = T if peer_sends else T // 2
-    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, num_sms=8, max_tokens=T, hidden=H, max_topk=K,
-                                       timeout_s=20, bulk="sm")
+    transport = nvlink.NvlinkTransport(dist.group.WORLD, dev, max_tokens=T, hidden=H, max_topk=K, timeout_s=20,
+                                       bulk="sm")
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
     w = torch.rand(T, K, generator=g).to(dev)
@@ -1253,9 +1288,10 @@ def _overflow_worker(rank, world, port, peer_sends):
         in_rank[:n, target] = True
 
     def step():
-        rx, _, _, rw, _, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_worst_tokens=worst)
+        rx, _, _, rw, _, layout = transport.dispatch(x, None, topk, w, in_rank, num_local, num_sms=SMS,
+                                                     num_worst_tokens=worst)
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)
-        return transport.combine(y, rw, layout)[0]
+        return transport.combine(y, rw, layout, num_sms=SMS)[0]
 
     route(rank, worst)  # each rank's tokens stay home: num_worst_tokens rows received
     _warm_up(step)
@@ -1293,7 +1329,7 @@ def _overflow_worker(rank, world, port, peer_sends):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("peer_sends", [True, False])
 def test_a_replay_whose_receive_passes_num_worst_tokens_raises_where_rows_are_lost(peer_sends):
-    mp.spawn(_overflow_worker, args=(2, free_port(), peer_sends), nprocs=2, join=True)
+    spawn(_overflow_worker, args=(2, free_port(), peer_sends), nprocs=2, join=True)
 
 
 def _buffer_graph_worker(rank, world, port, fp8=False):
@@ -1433,20 +1469,20 @@ def _buffer_graph_cached_worker(rank, world, port):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_buffer_nvlink_copy_engine_replays_cached_calls_in_a_cuda_graph():
-    mp.spawn(_buffer_graph_cached_worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_buffer_graph_cached_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_buffer_dispatch_and_combine_replay_in_a_cuda_graph(fp8):
-    mp.spawn(_buffer_graph_worker, args=(2, free_port(), fp8), nprocs=2, join=True)
+    spawn(_buffer_graph_worker, args=(2, free_port(), fp8), nprocs=2, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 3, 4])  # 2: packed bf16 pairs; more: fp32
 def test_combine_sum_equals_fp32_sum_rounded_once(ranks):
-    """`nvlink.sum_returned_rows` on one GPU against torch's fp32 sum from +0 rounded to bf16 (what the reference
+    """`kernels.rows.sum_returned_rows` on one GPU against torch's fp32 sum from +0 rounded to bf16 (what the reference
     backend computes): rows that a token did not send (-1 positions), -0 in both rows of a token, NaN, inf,
     subnormals, sums that round; every bit of the output, and of the rows past the tokens (left alone)."""
     import triton
@@ -1457,8 +1493,8 @@ def test_combine_sum_equals_fp32_sum_rounded_once(ranks):
                    R: tl.constexpr, rank: tl.constexpr, HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                    TB: tl.constexpr):
         t = tl.program_id(0) * TB + tl.arange(0, TB)
-        nvlink.sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx_ptr, cw_ptr, slots,
-                                 out_ptr, out_w_ptr, H, K, HB, KP, RP, TB, True)
+        kernel_rows.sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx_ptr, cw_ptr, slots,
+                                        out_ptr, out_w_ptr, H, K, HB, KP, RP, TB, True)
 
     torch.manual_seed(ranks)
     T, H, K, rank, slots, self_start = 37, 2048, 3, 1, 64, 5

@@ -256,13 +256,13 @@ def _special_rows(hidden, device):
     (7168, 8, 16, torch.bfloat16), (7168, 4, 8, torch.bfloat16), (2048, 16, 8, torch.bfloat16),
     (384, 2, 4, torch.bfloat16), (2048, 8, 8, torch.float32), (384, 4, 4, torch.float16)])
 def test_dispatch_chunked_quantization_is_the_reference_bit_for_bit(hidden, tokens_per_step, groups_per_step, dtype):
-    """`smsplit.ep.nvlink.quantize_chunk` (packed words, inline PTX), as the dispatch runs it, chunk by chunk with
+    """`smsplit.ep.kernels.rows.quantize_chunk` (packed words, inline PTX), as the dispatch runs it, chunk by chunk with
     a masked last chunk and masked tokens, against `quantize_1x128`: every byte and every scale."""
     import triton
     import triton.language as tl
 
     from smsplit import ptx
-    from smsplit.ep.nvlink import chunk_halves, load_chunk, quantize_chunk, store_chunk_scales
+    from smsplit.ep.kernels.rows import chunk_halves, load_chunk, quantize_chunk, store_chunk_scales
 
     @triton.jit
     def chunked_rows(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, TB: tl.constexpr, QG: tl.constexpr):

@@ -427,7 +427,7 @@ TMA_LOAD_1D = ("cp.async.bulk.tensor.1d.shared::cta.global.mbarrier::complete_tx
                "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes")
 TMA_STORE_1D = "cp.async.bulk.tensor.1d.global.shared::cta.bulk_group"
 
-# Parts of columns in which the combine's two-rank sum (`smsplit.ep.nvlink.sum_returned_rows`) loads and adds its
+# Parts of columns in which the combine's two-rank sum (`smsplit.ep.kernels.rows.sum_returned_rows`) loads and adds its
 # rows: [8, H] from each rank at 8 tokens a step, 2 x 64 words a thread of its 16 warps. In one part, the ptxas that
 # Triton 3.8 runs for sm_90 (12.9) spills 84 bytes of the weighted combine, 13 reloads of them in its rows' loop,
 # where 3.6's and 3.7's (ptxas 12.8) fit it in 101 registers and 3.9's (ptxas 13.4) in 124 (a spill there cost a

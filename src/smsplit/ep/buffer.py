@@ -19,7 +19,8 @@ from .event import EventOverlap
 from .header import (H_NUM_SMS, H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
                      OP_INIT, OP_NAMES, aborts, agree, agree_init, fill_combine, fill_dispatch, init_header,
                      new_header, status_code)
-from .layout import DispatchHandle, align_up, compute_dispatch_layout
+from .layout import DispatchHandle, compute_dispatch_layout
+from .rows import align_up
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
 from .transport import (EPArgumentError, EPError, EPTimeoutError, Environment, Move, Tokens,

@@ -10,164 +10,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-from smsplit import ptx
 from smsplit.cuda_driver import StreamOps
 from smsplit.launch import FastLaunch
-from smsplit.trace import record_block
 
-from .layout import region_offsets, token_positions
-from .nvlink import ALIGN, SCALE_BLOCK, _column, _pow2, _wait_for_ranks, load_tokens, local_experts, sum_returned_rows
+from .kernels.copy_engine import gate_kernel, pack_kernel, reduce_kernel
+from .layout import next_pow2 as _pow2
+from .layout import token_positions
+from .rows import region_offsets
+from .nvlink_plan import ALIGN, SCALE_BLOCK, check_num_sms
 from .transport import (EPTimeoutError, all_gather_into_tensor, check_combine_weights, check_num_worst_tokens, poll_until,
                         symmetric_buffer)
 
-
-# --- kernels -----------------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["epoch"])
-def gate_kernel(bases_ptr, arrive_off, ack_off, force_off, status_addr, fail_ptr, rank, R, NC, epoch, timeout_ns,
-                phase):
-    """One program: tell every rank that this rank has entered call ``epoch`` of this phase, then wait
-    (bounded) until every rank has entered it and has acknowledged (``ack >= epoch - 1``) that it is done
-    with what this rank is about to overwrite. If a wait times out, write ``epoch`` into this rank's
-    ``force_off`` flags (``[R][NC]``) so that copy-engine streams waiting on them move on."""
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
-    own = tl.load(bases_ptr + rank)
-    own_ack = (own + ack_off).to(tl.pointer_type(tl.int32))
-    tl.store(own_ack + rank, epoch)  # this rank never waits for itself
-    for d in range(R):
-        arrive = (tl.load(bases_ptr + d) + arrive_off).to(tl.pointer_type(tl.int32))
-        ptx.st_release_sys(arrive + rank, epoch)
-    own_arrive = (own + arrive_off).to(tl.pointer_type(tl.int32))
-    _wait_for_ranks(own_arrive, 0, 1, R, rank, 0, epoch, timeout_ns, status_ptr, fail_ptr, phase)
-    _wait_for_ranks(own_ack, 0, 1, R, rank, 1, epoch - 1, timeout_ns, status_ptr, fail_ptr, phase + 1)
-    if tl.load(fail_ptr, volatile=True) != 0:
-        force = (own + force_off).to(tl.pointer_type(tl.int32))
-        for i in range(R * NC):
-            tl.store(force + i, epoch)
-
-
-@triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
-def pack_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, bases_ptr, done_ptr, own_buf,
-                recv_x, recv_scales, recv_topk, recv_weights, recv_src,
-                T, H, K, R, rank, M, NC, chunk_tokens, self_start, num_local_experts, epoch,
-                off_sx, off_ss, off_stopk, off_sw, off_ssrc, off_ready,
-                X_BYTES: tl.constexpr, QUANTIZE: tl.constexpr, HAS_SCALES: tl.constexpr,
-                HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                TB: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
-    """Token t goes to row ``pos[t, d]`` of destination d's staging area (this rank's symmetric buffer,
-    read by d's copy engine) or, for d == rank, straight to row ``self_start + pos[t, rank]`` of the
-    received tensors. Tokens go in NC chunks of ``chunk_tokens``; when every program has finished a
-    chunk, the last one release-stores ``epoch`` into ``ready[rank][chunk]`` of every other rank."""
-    if TRACE:
-        t_start = ptx.globaltimer()
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    cols = tl.arange(0, RP)
-    # staging regions of this rank's buffer, as typed pointers (their alignment is known: stores vectorize)
-    sx = own_buf + off_sx
-    ss = (own_buf + off_ss).to(tl.pointer_type(tl.float32), bitcast=True)
-    stopk = (own_buf + off_stopk).to(tl.pointer_type(tl.int64), bitcast=True)
-    sw = (own_buf + off_sw).to(tl.pointer_type(tl.float32), bitcast=True)
-    ssrc = (own_buf + off_ssrc).to(tl.pointer_type(tl.int32), bitcast=True)
-    vec = tl.arange(0, VEC)[None, :]
-    row_bytes = H * X_BYTES
-    n_vec = row_bytes // 16
-    vmask = vec < n_vec
-    n_groups = H // 128
-    grp = tl.arange(0, GROUPS)[None, :]
-    gmask = grp < n_groups
-    k = tl.arange(0, KP)[None, :]
-    kmask = k < K
-    for c in range(NC):
-        t_end = tl.minimum(T, (c + 1) * chunk_tokens)
-        for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
-            t = t0 + tl.arange(0, TB)
-            w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-                t, t < t_end, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R,
-                X_BYTES, QUANTIZE, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, VEC, GROUPS, KP, RP, TB, True)
-            for d in range(R):
-                p = _column(pos, cols, d)
-                ok = (p >= 0)[:, None]
-                if d == rank:
-                    row = self_start + p.to(tl.int64)[:, None]
-                    x_dst = recv_x.to(tl.pointer_type(tl.uint8), bitcast=True)
-                    s_dst = recv_scales
-                    k_dst = recv_topk
-                    w_dst = recv_weights
-                    i_dst = recv_src
-                else:
-                    row = d * M + p.to(tl.int64)[:, None]  # destination d's rows in each staging region
-                    x_dst = sx
-                    s_dst = ss
-                    k_dst = stopk
-                    w_dst = sw
-                    i_dst = ssrc
-                dst = x_dst.to(tl.pointer_type(tl.int32), bitcast=True) + row * (row_bytes // 4)
-                ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & vmask)  # e4m3 rows too: 16-byte stores
-                if QUANTIZE or HAS_SCALES:
-                    tl.store(s_dst + row * n_groups + grp, scale, mask=ok & gmask)
-                if HAS_TOPK:
-                    tl.store(k_dst + row * K + k, local_experts(topk, d, num_local_experts), mask=ok & kmask)
-                if HAS_WEIGHTS:
-                    tl.store(w_dst + row * K + k, weights, mask=ok & kmask)
-                tl.store(i_dst + row, t[:, None], mask=ok)
-        tl.debug_barrier()
-        ptx.fence_acq_rel_sys()
-        old = tl.atomic_add(done_ptr + c, 1, sem="acq_rel", scope="gpu")
-        if old == programs - 1:
-            tl.store(done_ptr + c, 0)
-            ptx.fence_acq_rel_sys()
-            for d in range(R):
-                if d != rank:
-                    ready = (tl.load(bases_ptr + d) + off_ready).to(tl.pointer_type(tl.int32))
-                    ptx.st_release_sys(ready + rank * NC + c, epoch)
-    if TRACE:
-        record_block(trace_ptr, trace_tag, t_start)
-
-
-@triton.jit(do_not_specialize=["T", "self_start", "epoch", "trace_tag"])  # per-call values must not recompile
-def reduce_kernel(y_ptr, yw_ptr, pos_ptr, bases_ptr, exit_ptr, status_addr, fail_ptr, own_buf, out_ptr, out_w_ptr,
-                  T, H, K, R, rank, M, NC, chunk_tokens, self_start, epoch,
-                  off_cx, off_cw, off_cready, off_cack, timeout_ns,
-                  HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, TB: tl.constexpr,
-                  HAS_WEIGHTS: tl.constexpr, TRACE: tl.constexpr, trace_ptr, trace_tag):
-    """Sum, for each of this rank's tokens, its rows from the ranks it went to (fp32) into out (bf16):
-    its own rank's row straight from y, the others' from the combine area, where the copy engines of
-    those ranks put them. Chunk by chunk: wait (bounded) until every rank has flagged the chunk. At the
-    end the last program release-stores ``epoch`` into ``combine_ack[rank]`` of every other rank."""
-    status_ptr = status_addr.to(tl.pointer_type(tl.int32))
-    if TRACE:
-        t_start = ptx.globaltimer()
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    cready = (own_buf + off_cready).to(tl.pointer_type(tl.int32), bitcast=True)
-    cx = (own_buf + off_cx).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-    cw = (own_buf + off_cw).to(tl.pointer_type(tl.float32), bitcast=True)
-    for c in range(NC):
-        _wait_for_ranks(cready, c, NC, R, rank, 1, epoch, timeout_ns, status_ptr, fail_ptr, 7)
-        t_end = tl.minimum(T, (c + 1) * chunk_tokens)
-        for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
-            t = t0 + tl.arange(0, TB)
-            sum_returned_rows(t, t < t_end, pos_ptr, R, rank, self_start, y_ptr, yw_ptr, cx, cw, M, out_ptr, out_w_ptr,
-                              H, K, HB, KP, RP, TB, HAS_WEIGHTS)  # slot [destination][position]
-    tl.debug_barrier()
-    old = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == programs - 1:
-        tl.store(exit_ptr, 0)
-        ptx.fence_acq_rel_sys()
-        for d in range(R):
-            if d != rank:
-                ack = (tl.load(bases_ptr + d) + off_cack).to(tl.pointer_type(tl.int32))
-                ptx.st_release_sys(ack + rank, epoch)
-    if TRACE:
-        record_block(trace_ptr, trace_tag, t_start)
-
-
-# --- host side ---------------------------------------------------------------------------------------
 
 PHASES = {5: "dispatch: waiting for rank {peer} to enter the dispatch",
           6: "dispatch: waiting for rank {peer} to finish copying the previous dispatch",
@@ -176,6 +30,7 @@ PHASES = {5: "dispatch: waiting for rank {peer} to enter the dispatch",
           9: "combine: waiting for rank {peer} to finish the previous combine"}
 
 
+TOKENS_PER_STEP = 4  # tokens a pack program moves per step
 launch_gate, launch_pack, launch_reduce = FastLaunch(gate_kernel), FastLaunch(pack_kernel), FastLaunch(reduce_kernel)
 
 
@@ -222,32 +77,32 @@ class CopyEngineTransport:
     Args:
         group: NCCL process group, one rank per GPU, all GPUs NVLink peers.
         device: this rank's GPU.
-        num_sms: programs of the pack and reduce kernels (at most the SMs the caller's stream can reach).
         max_tokens: the most tokens any rank dispatches in one call.
         hidden: hidden size (a multiple of 128).
         max_topk: the largest top-k (up to 16).
         num_chunks: pieces each rank's tokens are cut into, so that packing, copying and summing overlap.
         num_copy_streams: streams the copies are spread over (peers round-robin).
         timeout_s: the longest a kernel waits for a peer before recording a timeout.
+
+    Every call passes ``num_sms``: the programs of its pack or reduce kernel (every rank the same count), at most the
+    SMs the caller's stream can reach.
     """
 
     returns_views = False  # fresh received tensors: Buffer need not copy them
 
-    def __init__(self, group, device: torch.device, num_sms: int, max_tokens: int, hidden: int,
-                 max_topk: int = 16, num_chunks: int = 4, num_copy_streams: int = 2, timeout_s: float = 60.0):
+    def __init__(self, group, device: torch.device, max_tokens: int, hidden: int, max_topk: int = 16,
+                 timeout_s: float = 60.0, num_chunks: int = 4, num_copy_streams: int = 2):
         if hidden % SCALE_BLOCK:
             raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {hidden}")
         if not 1 <= max_topk <= 16:
             raise ValueError(f"max_topk must be in 1..16, got {max_topk}")
-        if num_sms < 1 or num_chunks < 1 or num_copy_streams < 1:
-            raise ValueError(f"num_sms, num_chunks and num_copy_streams must be >= 1, got {num_sms}, {num_chunks}, "
-                             f"{num_copy_streams}")
+        if num_chunks < 1 or num_copy_streams < 1:
+            raise ValueError(f"num_chunks and num_copy_streams must be >= 1, got {num_chunks}, {num_copy_streams}")
         self.group = group
         self.rank, self.num_ranks = group.rank(), group.size()
         self.device = torch.device(device)
-        self.num_sms, self.num_chunks = num_sms, num_chunks
+        self.num_chunks = num_chunks
         self.max_tokens, self.hidden, self.max_topk = max_tokens, hidden, max_topk
-        self.tokens_per_step = 4
         self.timeout_s, self.timeout_ns = timeout_s, int(timeout_s * 1e9)
         self.offsets, total = region_offsets(_region_bytes(self.num_ranks, max_tokens, hidden, max_topk, num_chunks),
                                              ALIGN)
@@ -318,14 +173,15 @@ class CopyEngineTransport:
     # -- dispatch / combine ---------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
-                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int,
-                 quantize: bool = False, num_worst_tokens: int = 0, cached: CopyEngineLayout | None = None,
-                 trace=None, num_recv_tokens: int | None = None):
+                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_local_experts: int, *,
+                 num_sms: int, quantize: bool = False, num_worst_tokens: int = 0,
+                 cached: CopyEngineLayout | None = None, num_recv_tokens: int | None = None, trace=None):
         """Send each token to the ranks in ``is_token_in_rank``; the same contract as
         `smsplit.ep.nvlink.NvlinkTransport.dispatch`, but the received tensors are fresh (not views).
         ``num_recv_tokens`` is accepted for that contract and not needed: this transport reads its counts on the
         host."""
         self.raise_if_failed()
+        num_sms = check_num_sms(num_sms)
         R, NC, T, H, me = self.num_ranks, self.num_chunks, x.size(0), x.size(1), self.rank
         K = topk_idx.size(1) if topk_idx is not None else (topk_weights.size(1) if topk_weights is not None else 0)
         if T > self.max_tokens or H != self.hidden or K > self.max_topk:
@@ -358,9 +214,9 @@ class CopyEngineTransport:
                     num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
-        trace_view, tag = trace.slots(self.num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
+        trace_view, tag = trace.slots(num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
         launch_pack(
-            self.num_sms,
+            num_sms,
             x if quantize else x.view(torch.uint8).view(torch.int32), scales if scales is not None else recv_src,
             topk_idx if topk_idx is not None else recv_src, topk_weights if topk_weights is not None else recv_src,
             layout.pos, self.bases, self.done, self.buffer, recv_x,
@@ -372,7 +228,7 @@ class CopyEngineTransport:
             self.offsets["ready"],
             X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
             HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(G),
-            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=self.tokens_per_step, TRACE=trace is not None,
+            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=TOKENS_PER_STEP, TRACE=trace is not None,
             trace_ptr=trace_view, trace_tag=tag, num_warps=8,
         )
         row_bytes = H * x_bytes
@@ -410,11 +266,13 @@ class CopyEngineTransport:
                     t[total:].fill_(fill)
         return recv_x, recv_scales, recv_topk, recv_weights, recv_src, layout
 
-    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: CopyEngineLayout, trace=None):
+    def combine(self, y: torch.Tensor, y_weights: torch.Tensor | None, layout: CopyEngineLayout, *, num_sms: int,
+                trace=None):
         """Send received row r of ``y`` (bf16 ``[num_recv_rows, hidden]``) back to its source and sum, per
         token, the rows that come back (fp32). Returns ``(bf16 [num_tokens, hidden], fp32 [num_tokens, K] or
         None)``."""
         self.raise_if_failed()
+        num_sms = check_num_sms(num_sms)
         R, NC, T, H, me = self.num_ranks, self.num_chunks, layout.num_tokens, self.hidden, self.rank
         if y.dtype != torch.bfloat16 or y.shape != (layout.num_recv_rows, H) or not y.is_contiguous():
             raise ValueError(f"x: expected a contiguous bf16 tensor of shape {(layout.num_recv_rows, H)}, "
@@ -449,9 +307,9 @@ class CopyEngineTransport:
             done = torch.cuda.Event()
             done.record(cs)
             finished.append(done)
-        trace_view, tag = trace.slots(self.num_sms, "reduce", "comm") if trace is not None else (out, 0)
+        trace_view, tag = trace.slots(num_sms, "reduce", "comm") if trace is not None else (out, 0)
         launch_reduce(
-            self.num_sms,
+            num_sms,
             y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
             self.status.data_ptr(), self.failed, self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
             layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],

@@ -16,9 +16,6 @@ import triton
 import triton.language as tl
 
 from ..launch import FastLaunch
-# (the sizes and row bookkeeping every transport shares, in a module without Triton for the reference transport)
-from .rows import (ROW_ALIGN, SCALE_BLOCK, align_up, buffer_bytes, combine_row_bytes, dispatch_row_bytes,  # noqa: F401
-                   rank_prefix_matrix_from_counts, region_offsets, to_local_expert_ids)
 
 
 MAX_KERNEL_TOPK = 16  # the layout kernels unroll a loop over pairs of top-k columns: more columns take torch's way
