@@ -110,6 +110,51 @@ def test_copied_dispatch_kernel_waits_for_the_copies_before_it_fills_their_holes
     assert waits(gated) == 4
 
 
+def _row_moves_of_token_loop(cubin: bytes) -> str:
+    """The 16-byte row loads (L) and stores (S) of the dispatch's token loop in SASS order (Triton's own nvdisasm):
+    the loop (a label up to the branch back to it) with the most row loads."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    starts = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and starts.get(m.group(1), i) < i:
+            loops.append("".join("L" if re.search(r"LDG\.[\w.]*\.128\.CONSTANT", b) else
+                                 "S" if re.search(r"STG\.E\.NA\.128", b) else "" for b in lines[starts[m.group(1)]:i]))
+    return max(loops, key=lambda moves: moves.count("L"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("copies", [False, True], ids=["push", "copied"])
+def test_dispatch_issues_a_steps_row_loads_together(ranks, copies):
+    """The BF16 dispatches (SM push and beside copy engines) load a step's 2 * 4 row vectors per thread one after
+    another, with no row store between them, as launched for 4096 tokens (T a multiple of 16; one rank: R is the
+    constant 1): left to ptxas, each load went just before its store and a warp waited for up to 8 load round trips
+    a step (209.7 us against 158.8 at 6, one rank, 20 SMs, H100; `smsplit.ep.kernels.dispatch.push_tokens`)."""
+    kernel = nvlink.dispatch_copied_kernel if copies else nvlink.dispatch_kernel
+    params = inspect.signature(kernel.fn).parameters
+    sig = {name: kind for name, kind in dict(DISPATCH_SIGNATURE, plan_ptr="*i32").items()
+           if name in params and name not in ("scales_ptr", "trace_ptr") and not (name == "R" and ranks == 1)}
+    constexprs = dict(DISPATCH_SHAPE, GATE=True, RP=ranks, scales_ptr=None, trace_ptr=None)
+    if ranks == 1:
+        constexprs["R"] = 1  # (Triton specializes an integer argument of 1 as a constant)
+    aligned = [name for name, kind in sig.items() if kind.startswith("*")] + ["H", "T"]
+    _, cubin = ptx.compile_for_sm90(kernel, sig, constexprs, num_warps=16, aligned=aligned)
+    moves = _row_moves_of_token_loop(cubin)
+    assert moves.count("L") == 8 and "L" * 8 in moves, moves
+    assert moves.count("S") == 8 * ranks, moves
+
+
 def compile_combine(weights=True, **constexprs):
     """The combine kernel compiled with the bench's shape on 2 ranks (top-k weights or none), ``constexprs``
     changed."""

@@ -10,8 +10,7 @@ from smsplit.trace import record_block
 
 from .common import (COPIES_WORD, CTX_COPIED, CTX_SIG, CTX_STATUS, CTX_TIMEOUT, FAIL_WORD, FINISHED_WORD, X_FREE_SLOT,
                      column, failed_before, free_copy_stream, pick, slot_of, wait_for_one)
-from .dispatch import TOKENS_PER_STEP, end_dispatch, receive_offsets, start_dispatch, store_metadata
-from .rows import load_tokens
+from .dispatch import TOKENS_PER_STEP, end_dispatch, push_tokens, receive_offsets, start_dispatch
 
 
 @triton.jit
@@ -62,31 +61,16 @@ def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, la
     start_dispatch(ctx_ptr, state_ptr, rank, R, finished, GATE, True)
     HAS_SCALES: tl.constexpr = scales_ptr is not None  # FP8 rows
     X_BYTES: tl.constexpr = 1 if HAS_SCALES else 2
-    programs = tl.num_programs(0)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(ctx_ptr + cols, mask=cols < R, other=0)
     copied = tl.load(plan_ptr + cols, mask=cols < R, other=0)
     offs = receive_offsets(ctx_ptr)
+    push_tokens(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, T, H, K, R, dest_start, dest_base, copied, offs,
+                num_local_experts, X_BYTES, VEC, GROUPS, KP, RP)
     off_x = offs[0]
-    vec = tl.arange(0, VEC)[None, :]
     row_bytes = H * X_BYTES
     n_groups = H // 128
-    for t0 in range(pid * TOKENS_PER_STEP, T, programs * TOKENS_PER_STEP):
-        t = t0 + tl.arange(0, TOKENS_PER_STEP)
-        w0, w1, w2, w3, scale, topk, weights, pos = load_tokens(
-            t, t < T, x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, H, K, R, X_BYTES, False, HAS_SCALES,
-            topk_ptr is not None, weights_ptr is not None, VEC, GROUPS, KP, RP, TOKENS_PER_STEP, True)
-        for d in tl.static_range(RP):  # unrolled: d is a constant, the picks are selects
-            p = column(pos, cols, d)
-            ok = (p >= 0)[:, None]
-            row = pick(dest_start, cols, d) + p.to(tl.int64)[:, None]  # [TB, 1]
-            base = pick(dest_base, cols, d)
-            dst = (base + off_x + row * row_bytes).to(tl.pointer_type(tl.int32))
-            keep = (p >= pick(copied, cols, d))[:, None]  # not the rows the copy engines move
-            ptx.st_global_na_v4(dst + 4 * vec, w0, w1, w2, w3, ok & keep & (vec < row_bytes // 16))
-            store_metadata(offs, base, row, ok, t, d, scale, topk, weights, K, n_groups, num_local_experts,
-                           HAS_SCALES, topk_ptr is not None, weights_ptr is not None, GROUPS, KP)
     fill_from = tl.load(plan_ptr + R)
     if fill_from < T:  # the holes in the copied rows, once the copies have landed
         status_ptr = tl.load(ctx_ptr + CTX_STATUS).to(tl.pointer_type(tl.int32))
