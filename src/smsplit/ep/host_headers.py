@@ -166,7 +166,7 @@ class HostHeaders:
                 watch(waiting)
             return not waiting
 
-        if not poll_until(arrived, time.monotonic() + timeout_s):
+        if waiting and not poll_until(arrived, time.monotonic() + timeout_s):  # (one rank: no peer to wait for)
             self._words[own + 1] = GAVE_UP  # a peer that comes later finds this and raises instead of going on
             phase = f"{op}: waiting for {what} from rank {waiting[0]}"
             raise EPTimeoutError(f"{phase} (no answer within timeout_s={timeout_s:g})", waiting[0], phase)
