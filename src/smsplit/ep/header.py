@@ -61,9 +61,10 @@ def fill_dispatch(header: np.ndarray, spec, handle, sms: int) -> None:
     """A dispatch's words: its `checks.DispatchSpec`, the call number of its handle (0: none) and its SM count."""
     # (the words H_NUM_TOKENS .. H_NUM_SMS are adjacent: one store, where one per word costs a microsecond each; a
     # dispatch carries no buffer size)
-    header[:, H_NUM_TOKENS:H_NUM_SMS + 1] = (
-        spec.num_tokens, spec.num_experts, spec.hidden, DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0,
-        spec.num_topk, spec.flags, spec.num_worst_tokens, 0, handle.round if handle is not None else 0, sms)
+    dtype = DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0
+    header[:, H_NUM_TOKENS:H_NUM_SMS + 1] = (spec.num_tokens, spec.num_experts, spec.hidden, dtype, spec.num_topk,
+                                             spec.flags, spec.num_worst_tokens, 0,
+                                             handle.round if handle is not None else 0, sms)
     if spec.host_layout is not None:
         header[:, HEADER_WORDS:] = spec.host_layout["num_tokens_per_rank"]
 

@@ -152,7 +152,8 @@ def _capturable() -> str:
     return ", ".join(name for name in ORDER if capabilities(name).capture != "never")
 
 
-_CHOSEN: Dict[tuple, str] = {}  # (backend, move, env, internal) -> the transport `choose` gave (registered capabilities)
+# (backend, move, env, internal) -> the transport `choose` gave with the registered capabilities
+_CHOSEN: Dict[tuple, str] = {}
 _CHOSEN_MAX = 4096  # distinct calls remembered (a Move holds the token count, which may vary per step): then cleared
 
 
