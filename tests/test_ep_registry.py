@@ -110,6 +110,37 @@ def test_the_choice_follows_the_declared_capabilities():
         registry.choose("nvlink", dispatch(FP32), GPU, capabilities_of=fake)
 
 
+def test_the_choice_is_remembered_but_a_refusal_is_raised_afresh(monkeypatch):
+    """Every eager call chooses (a cached dispatch once, an uncached one twice): the registered capabilities never
+    change, so a choice is remembered, bounded; a refusal is not (each call raises an error of its own, which the
+    header exchange marks as every rank's); made-up capabilities are never remembered."""
+    monkeypatch.setattr(registry, "_CHOSEN", {})
+    monkeypatch.setattr(registry, "_CHOSEN_MAX", 3)
+    moves = [dispatch(), dispatch(E4M3), combine("nvlink"), dispatch(FP32)]
+    expected = ["nvlink_copy_engine", "nvlink_copy_engine", "nvlink", "reference"]
+    for _ in range(2):
+        assert [registry.choose("auto", move, GPU) for move in moves] == expected
+        assert len(registry._CHOSEN) <= 3
+    assert registry._CHOSEN[("auto", dispatch(FP32), GPU, False)] == "reference"
+    # the same move in another environment or from another backend is chosen afresh
+    assert registry.choose("auto", dispatch(), GPU._replace(num_nvl_bytes=0)) == "reference"
+    assert registry.choose("nvlink", combine("nvlink", FP32), GPU, internal=True) == "reference"
+    refusals = []
+    for _ in range(2):
+        with pytest.raises(EPArgumentError, match="backend='reference' can$") as caught:
+            registry.choose("nvlink", dispatch(FP32), GPU)
+        refusals.append(caught.value)
+    assert refusals[0] is not refusals[1]
+    assert ("nvlink", dispatch(FP32), GPU, False) not in registry._CHOSEN
+
+    def only_e4m3(name):  # device transports that move no bf16
+        caps = registry.capabilities(name)
+        return dataclasses.replace(caps, moves=frozenset({E4M3}), quantizes=frozenset()) if caps.needs_cuda else caps
+
+    assert registry.choose("auto", dispatch(), GPU, capabilities_of=only_e4m3) == "reference"
+    assert registry.choose("auto", dispatch(), GPU) == "nvlink_copy_engine"
+
+
 def test_size_hints_of_auto_fit_every_transport():
     args = (4, 4096, 7168, 8, BF16, False, BF16)
     sizes = {name: registry.size_hint(name, *args) for name in registry.ORDER}

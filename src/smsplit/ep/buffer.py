@@ -16,7 +16,7 @@ from .autograd import Untracked, combine_with_grad, dispatch_with_grad
 from .checks import sms_count, topk_idx_t  # (topk_idx_t: DeepEP's name, exported by smsplit.ep)
 from .config import Config
 from .event import EventOverlap
-from .header import (H_NUM_SMS, H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
+from .header import (H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
                      OP_INIT, OP_NAMES, aborts, agree, agree_init, fill_combine, fill_dispatch, init_header,
                      new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
@@ -126,6 +126,7 @@ class Buffer:
         self.backend = backend if error is None else registry.AUTO
         cuda = str(dist.get_backend(group)).lower() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._cuda = cuda  # (read by every call: `_capturing`)
         self._env = self._environment(one_node=True)  # (known after the exchange below)
         if error is None:
             error = registry.environment_problem_of(self.backend, self._env)
@@ -372,11 +373,11 @@ class Buffer:
         error = None
         try:
             sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
-            header[:, H_NUM_SMS] = sms
             spec = checks.check_dispatch(self._where, *args)
             move = self._dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, False, internal)
-            registry.choose(self.backend, move, self._env, internal)  # (with this rank's own tokens)
-            fill_dispatch(header, spec, handle)
+            # (with this rank's own tokens; a cached dispatch's move is the same after the exchange: its choice)
+            name = registry.choose(self.backend, move, self._env, internal)
+            fill_dispatch(header, spec, handle, sms)
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = status_code(e)
@@ -394,9 +395,8 @@ class Buffer:
                 raise on_every_rank(e)
             per_expert = torch.tensor(spec.host_layout["num_tokens_per_expert"]).view(self.group_size, -1)
             recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0).tolist()
-        else:
-            name = registry.choose(self.backend, move, self._env, internal)
-        out = self._dispatch_run(name, spec, handle, move, args, sms, [row[HEADER_WORDS:] for row in headers])
+        out = self._dispatch_run(name, spec, handle, move, args, sms,
+                                 None if handle is not None else [row[HEADER_WORDS:] for row in headers])
         if handle is not None:
             per_expert_list = None
         elif num_worst_tokens > 0:
@@ -436,7 +436,7 @@ class Buffer:
 
     def _dispatch_run(self, name: str, spec, handle, move: Move, args, sms: int, counts):
         """The data phase of a dispatch on the transport ``name``: ``(recv_x, recv_topk_idx, recv_topk_weights,
-        handle)``. ``counts``: the header's tokens from each rank to each (None in a capture)."""
+        handle)``. ``counts``: the header's tokens from each rank to each (None in a capture and in the cached mode)."""
         topk_idx, topk_weights, fp8, dequantize = args[6], args[7], args[11], args[12]
         values, scales = spec.values, spec.scales
         in_kernel = move.quantize and values.dtype in registry.capabilities(name).quantizes
@@ -553,7 +553,7 @@ class Buffer:
                 summed_x = summed_x.float()  # (a device transport's sum is rounded already: one rounding more)
                 for b in biases:
                     summed_x += b.float()
-            combined_x = summed_x.to(x.dtype)
+            combined_x = summed_x if summed_x.dtype == x.dtype else summed_x.to(x.dtype)  # (`to` costs the host)
         return combined_x, summed_weights, self._finish_event(async_finish)
 
     # -- transports, headers, events -------------------------------------------------------------------------
@@ -597,7 +597,7 @@ class Buffer:
         return rows
 
     def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def _wait_previous(self, previous_event: Optional[EventOverlap]) -> None:
         """Make the current stream wait for `previous_event` (anything else is left to the argument checks,

@@ -123,11 +123,15 @@ def check_event(previous_event) -> None:
 def plain_int(value):
     """A numpy (or other) integer as a Python int, which the kernels' launches take; anything else as it is (for
     the checks to name)."""
+    if type(value) is int:  # (the usual case, without the ABC check below: every call passes two)
+        return value
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def check_int(name: str, value, minimum: int, maximum: int = MAX_COUNT) -> None:
     """An int (numpy ints too) in [minimum, maximum], else `EPArgumentError` naming ``name``."""
+    if type(value) is int and minimum <= value <= maximum:  # (the usual case, without the ABC check below)
+        return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise reject(name, f"expected an int >= {minimum}, got {value!r}")
     if value > maximum:

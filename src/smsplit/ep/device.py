@@ -125,6 +125,8 @@ class DeviceTransport(Transport):
     # -- Transport ----------------------------------------------------------------------------------------------
 
     def dispatch(self, handle: "DispatchHandle", tokens: Tokens, *, num_sms: int, stream=None) -> Received:
+        if stream is None:  # (what `Buffer` passes: no context to enter)
+            return self._dispatch(handle, tokens, num_sms)
         with _on(stream):
             return self._dispatch(handle, tokens, num_sms)
 
@@ -144,10 +146,9 @@ class DeviceTransport(Transport):
             self._made(handle, layout, tokens)
             handle.recv_src_idx = recv_src[:handle.num_recv_rows].clone()  # padding rows: -1 from the kernels
             self.plan(handle, num_sms=num_sms)
-        received = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights)
         if self.keeps_views:
-            received = tuple(map(_clone, received))
-        return Received(*received)
+            return Received(_clone(recv_x), _clone(recv_scales), _clone(recv_topk_idx), _clone(recv_topk_weights))
+        return Received(recv_x, recv_scales, recv_topk_idx, recv_topk_weights)
 
     def _made(self, handle: "DispatchHandle", layout, tokens: Tokens) -> None:
         """Record on ``handle`` what the engine's new ``layout`` holds (its `rank_prefix_matrix`, summed on the
@@ -160,9 +161,14 @@ class DeviceTransport(Transport):
         state: DeviceState = handle.transport_state
         rows = handle.num_recv_rows
         state.last_num_sms = num_sms
+        # (a slice costs the host microseconds: only where the rows are more than the handle's, padding included)
+        x = dense(x if x.size(0) == rows else x[:rows])
+        weights = dense(None if topk_weights is None else
+                        topk_weights if topk_weights.size(0) == rows else topk_weights[:rows])
+        if stream is None:
+            return state.engine.combine(x, weights, state.layout, num_sms=num_sms)
         with _on(stream):
-            return state.engine.combine(dense(x[:rows]), dense(topk_weights[:rows] if topk_weights is not None
-                                                               else None), state.layout, num_sms=num_sms)
+            return state.engine.combine(x, weights, state.layout, num_sms=num_sms)
 
 
 class NvlinkSmPush(DeviceTransport):

@@ -17,7 +17,7 @@ from .transport import EPAbortError, EPArgumentError, EPError, on_every_rank, re
 OP_INIT, OP_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_INIT: "init", OP_DISPATCH: "dispatch", OP_COMBINE: "combine"}
 (H_OP, H_ROUND, H_STATUS, H_NUM_TOKENS, H_NUM_EXPERTS, H_HIDDEN, H_DTYPE, H_NUM_TOPK, H_FLAGS,
- H_NUM_WORST, H_NVL_BYTES, H_HANDLE, H_NUM_SMS) = range(13)
+ H_NUM_WORST, H_NVL_BYTES, H_HANDLE, H_NUM_SMS) = range(13)  # (in this order: the fills store adjacent words at once)
 HEADER_WORDS = 13  # followed by num_ranks words: the sender's num_tokens_per_rank
 # the words `agree` needs equal on every rank (op, round and status first)
 AGREED_WORDS = operator.itemgetter(H_OP, H_ROUND, H_STATUS, H_HIDDEN, H_DTYPE, H_FLAGS, H_NUM_TOPK, H_NUM_EXPERTS,
@@ -41,10 +41,7 @@ def new_header(num_ranks: int, op: int, round_: int, failed: bool) -> np.ndarray
     """A call's header rows, one per rank (numpy: filling a tensor's columns costs microseconds each); ``failed``:
     a kernel of this rank recorded a timeout (every rank then raises `EPError`)."""
     header = np.zeros((num_ranks, HEADER_WORDS + num_ranks), dtype=np.int64)
-    header[:, H_OP] = op
-    header[:, H_ROUND] = round_
-    if failed:
-        header[:, H_STATUS] = STATUS_TRANSPORT_FAILED
+    header[:, H_OP:H_STATUS + 1] = (op, round_, STATUS_TRANSPORT_FAILED if failed else 0)  # (one column store)
     return header
 
 
@@ -60,28 +57,24 @@ def init_header(header: np.ndarray, num_nvl_bytes: int, num_sms: int, backend_co
     return header
 
 
-def fill_dispatch(header: np.ndarray, spec, handle) -> None:
-    """A dispatch's words: its `checks.DispatchSpec` and the call number of its handle (0: none)."""
-    header[:, H_NUM_TOKENS] = spec.num_tokens
-    header[:, H_NUM_EXPERTS] = spec.num_experts
-    header[:, H_HIDDEN] = spec.hidden
-    header[:, H_DTYPE] = DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0
-    header[:, H_NUM_TOPK] = spec.num_topk
-    header[:, H_FLAGS] = spec.flags
-    header[:, H_NUM_WORST] = spec.num_worst_tokens
-    header[:, H_HANDLE] = handle.round if handle is not None else 0
+def fill_dispatch(header: np.ndarray, spec, handle, sms: int) -> None:
+    """A dispatch's words: its `checks.DispatchSpec`, the call number of its handle (0: none) and its SM count."""
+    # (the words H_NUM_TOKENS .. H_NUM_SMS are adjacent: one store, where one per word costs a microsecond each; a
+    # dispatch carries no buffer size)
+    dtype = DTYPE_CODES[spec.values.dtype] if spec.values is not None else 0
+    header[:, H_NUM_TOKENS:H_NUM_SMS + 1] = (spec.num_tokens, spec.num_experts, spec.hidden, dtype, spec.num_topk,
+                                             spec.flags, spec.num_worst_tokens, 0,
+                                             handle.round if handle is not None else 0, sms)
     if spec.host_layout is not None:
         header[:, HEADER_WORDS:] = spec.host_layout["num_tokens_per_rank"]
 
 def fill_combine(header: np.ndarray, x, handle, topk_weights, sms: int) -> None:
     """A combine's words."""
-    header[:, H_NUM_SMS] = sms
-    header[:, H_HANDLE] = handle.round
+    header[:, H_HANDLE:H_NUM_SMS + 1] = (handle.round, sms)  # (adjacent words: one store each, see fill_dispatch)
     if x is not None:
-        header[:, H_HIDDEN] = x.size(1)
-        header[:, H_DTYPE] = DTYPE_CODES[x.dtype]
-    header[:, H_NUM_TOPK] = topk_weights.size(1) if topk_weights is not None else -1
-    header[:, H_FLAGS] = FLAG_TOPK_WEIGHTS * (topk_weights is not None)
+        header[:, H_HIDDEN:H_DTYPE + 1] = (x.size(1), DTYPE_CODES[x.dtype])
+    header[:, H_NUM_TOPK:H_FLAGS + 1] = ((topk_weights.size(1), FLAG_TOPK_WEIGHTS) if topk_weights is not None
+                                          else (-1, 0))
 
 
 INIT_AGREED = ((H_NVL_BYTES, "num_nvl_bytes", "num_nvl_bytes"), (H_FLAGS, "backend", "backend"),

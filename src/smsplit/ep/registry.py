@@ -9,7 +9,7 @@ What a transport can move is its `Capabilities`; what a call asks is a `Move` bu
 exchange made agree on every rank, and the `Environment` is the same on every rank, so every rank chooses alike.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -152,6 +152,11 @@ def _capturable() -> str:
     return ", ".join(name for name in ORDER if capabilities(name).capture != "never")
 
 
+# (backend, move, env, internal) -> the transport `choose` gave with the registered capabilities
+_CHOSEN: Dict[tuple, str] = {}
+_CHOSEN_MAX = 4096  # distinct calls remembered (a Move holds the token count, which may vary per step): then cleared
+
+
 def choose(backend: str, move: Move, env: Environment, internal: bool = False,
            capabilities_of: Callable[[str], Capabilities] = capabilities) -> str:
     """
@@ -165,6 +170,23 @@ def choose(backend: str, move: Move, env: Environment, internal: bool = False,
         EPArgumentError: naming the argument that no candidate can move; for an explicit backend, naming the
             backend that can, if any.
     """
+    # The choice is a function of its arguments and the registered capabilities, which never change: each eager
+    # call makes it once or twice, so it is remembered (a refusal is not: its error is raised afresh each time).
+    if capabilities_of is not capabilities:
+        return _choose(backend, move, env, internal, capabilities_of)
+    key = (backend, move, env, internal)
+    name = _CHOSEN.get(key)
+    if name is None:
+        name = _choose(backend, move, env, internal, capabilities_of)
+        if len(_CHOSEN) >= _CHOSEN_MAX:
+            _CHOSEN.clear()
+        _CHOSEN[key] = name
+    return name
+
+
+def _choose(backend: str, move: Move, env: Environment, internal: bool,
+            capabilities_of: Callable[[str], Capabilities]) -> str:
+    """`choose`, made afresh."""
     names = candidates(backend)
     # "auto" moves a new layout with num_worst_tokens on a transport that could capture it too: an eager warm-up
     # and the capture of the same code then take the same transport (whose buffer the warm-up made)
