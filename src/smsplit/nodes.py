@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .ep.layout import compute_dispatch_layout
+
 SUPPORTED_LAYOUTS = ("supported layouts: the same number of ranks on every node, the ranks of a node contiguous in "
                      "the group (group rank r on node r // ranks_per_node), as torchrun's default rank assignment "
                      "gives; pass ranks_per_node=N to treat each N consecutive ranks as one node")
@@ -293,12 +295,7 @@ def is_token_in_rank_from_topk(topk_idx: torch.Tensor, num_experts: int, group_s
         raise ValueError(f"topk_idx must be [tokens, topk], got {tuple(topk_idx.shape)}")
     if topk_idx.numel() and (int(topk_idx.max()) >= num_experts or int(topk_idx.min()) < -1):
         raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}) or -1")
-    idx = topk_idx.long()
-    valid = idx >= 0
-    ranks = torch.where(valid, idx // (num_experts // group_size), group_size)
-    out = torch.zeros(idx.size(0), group_size + 1, dtype=torch.bool, device=idx.device)
-    out.scatter_(1, ranks, True)
-    return out[:, :group_size]
+    return compute_dispatch_layout(topk_idx.long(), num_experts, group_size)[2]
 
 
 def node_bytes_from_topk(topk_idx: torch.Tensor, num_experts: int, rank: int, layout: NodeLayout,
