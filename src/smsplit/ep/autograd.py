@@ -126,6 +126,24 @@ class _Combine(torch.autograd.Function):
         return None, None, None, None, grad_x, grad_w, grad_bias_0, grad_bias_1
 
 
+def dispatch_is_tracked(x, topk_weights, fp8: bool, dequantize: bool) -> bool:
+    """Whether autograd records a dispatch (`dispatch_with_grad`): grad mode is on and a floating-point `x` (whose
+    output is not FP8: ``fp8`` without ``dequantize``) or `topk_weights` requires grad."""
+    float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
+    grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
+    grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
+    return torch.is_grad_enabled() and (grad_x or grad_w)
+
+
+def combine_is_tracked(x, topk_weights, bias, biases: tuple) -> bool:
+    """Whether autograd records a combine (`combine_with_grad`): grad mode is on and `x`, `topk_weights` or one of
+    ``biases`` (what `bias` holds) requires grad. A `bias` the argument checks reject (on every rank) is left
+    untracked, to be rejected there."""
+    needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
+    trackable = len(biases) <= 2 and (bias is None or isinstance(bias, (torch.Tensor, tuple, list)))
+    return torch.is_grad_enabled() and needs_grad and trackable
+
+
 def dispatch_with_grad(ops: Untracked, x, topk_weights, fields: dict):
     """`Buffer.dispatch` recorded by autograd (called by `Buffer.dispatch` when `x` or `topk_weights` needs grad;
     ``fields``: the dispatch's other keyword arguments)."""

@@ -2,7 +2,8 @@
 
 A thin front: it checks the arguments (`smsplit.ep.checks`), agrees on them with the other ranks (the header of
 `smsplit.ep.header`, exchanged by the reference transport), builds the handle, and hands the tokens to the transport
-that `smsplit.ep.registry` chooses for the call; autograd goes through `smsplit.ep.autograd`.
+that `smsplit.ep.registry` chooses for the call; the machinery of those steps is `smsplit.ep.calls`, and autograd goes
+through `smsplit.ep.autograd`.
 """
 
 from typing import List, Optional, Tuple, Union
@@ -10,21 +11,17 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import fp8 as fp8_lib
-from . import checks, registry
-from .autograd import Untracked, combine_with_grad, dispatch_with_grad
+from . import calls, checks, registry
+from .autograd import Untracked, combine_is_tracked, combine_with_grad, dispatch_is_tracked, dispatch_with_grad
 from .checks import sms_count, topk_idx_t  # (topk_idx_t: DeepEP's name, exported by smsplit.ep)
 from .config import Config
 from .event import EventOverlap
-from .header import (H_NUM_TOKENS, H_NUM_WORST, H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH,
-                     OP_INIT, OP_NAMES, aborts, agree, agree_init, fill_combine, fill_dispatch, init_header,
-                     new_header, status_code)
+from .header import (H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH, OP_INIT, OP_NAMES, aborts, agree, agree_init,
+                     fill_combine, fill_dispatch, init_header, new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
-from .rows import align_up
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
-from .transport import (EPArgumentError, EPError, EPTimeoutError, Environment, Move, Tokens,
-                        check_num_worst_tokens, on_every_rank, reject)
+from .transport import EPArgumentError, EPError, Environment, on_every_rank
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 __all__ = ["BACKENDS", "DEVICE_BACKENDS", "Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
@@ -340,10 +337,7 @@ class Buffer:
         self._check_alive()
         handle = checks.handle_of(handle)
         expert_alignment, num_worst_tokens = checks.plain_int(expert_alignment), checks.plain_int(num_worst_tokens)
-        float_x = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float8_e4m3fn
-        grad_x = float_x and x.requires_grad and not (fp8 and not dequantize)
-        grad_w = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
-        if torch.is_grad_enabled() and (grad_x or grad_w):
+        if dispatch_is_tracked(x, topk_weights, fp8, dequantize):
             fields = dict(handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                           num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                           num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
@@ -363,106 +357,35 @@ class Buffer:
         `topk_weights` and `x=None`."""
         args = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
                 topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event, fp8, dequantize, internal)
-        if self._capturing():
+        if self._capturing():  # no header exchange, no host read (`calls.dispatch_captured`)
             try:
-                return self._dispatch_captured(args, async_finish, config)
-            except EPArgumentError as error:
+                return calls.dispatch_captured(self, args, async_finish, config)
+            except EPArgumentError as error:  # (every rank captures the same code: raised alike on every rank)
                 raise on_every_rank(error)
         self._wait_previous(previous_event)  # before the checks read the layout's values on the host
         header = self._header(OP_DISPATCH)
         error = None
-        try:
+        try:  # check: this rank's arguments, and the transport for its own tokens
             sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
             spec = checks.check_dispatch(self._where, *args)
-            move = self._dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, False, internal)
+            move = calls.dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, False, internal)
             # (with this rank's own tokens; a cached dispatch's move is the same after the exchange: its choice)
             name = registry.choose(self.backend, move, self._env, internal)
             fill_dispatch(header, spec, handle, sms)
         except EPArgumentError as e:
             error = e
             header[:, H_STATUS] = status_code(e)
-        headers = self._exchange(OP_DISPATCH, "counts", header, error)
+        headers = self._exchange(OP_DISPATCH, "counts", header, error)  # agree: with every rank's header
         self._eager_sms = sms
-        recv_per_expert = None
-        if handle is None:
-            try:  # (every rank checks the same headers; the choice for the most tokens any rank sends)
-                move = self._dispatch_move(spec, handle, move.quantize, sms, argument, False, internal,
-                                           max(row[H_NUM_TOKENS] for row in headers))
-                check_num_worst_tokens([sum(row[HEADER_WORDS + q] for row in headers) for q in range(self.group_size)],
-                                       [row[H_NUM_WORST] for row in headers])
-                name = registry.choose(self.backend, move, self._env, internal)
-            except EPArgumentError as e:
-                raise on_every_rank(e)
-            per_expert = torch.tensor(spec.host_layout["num_tokens_per_expert"]).view(self.group_size, -1)
-            recv_per_expert = self.transport.exchange_headers("dispatch", "expert counts", per_expert).sum(0).tolist()
-        out = self._dispatch_run(name, spec, handle, move, args, sms,
-                                 None if handle is not None else [row[HEADER_WORDS:] for row in headers])
-        if handle is not None:
-            per_expert_list = None
-        elif num_worst_tokens > 0:
-            per_expert_list = []
-        else:
-            per_expert_list = (recv_per_expert if expert_alignment == 1
-                               else [align_up(c, expert_alignment) for c in recv_per_expert])
-        return (*out[:3], per_expert_list, out[3], self._finish_event(async_finish))
-
-    def _dispatch_captured(self, args, async_finish, config):
-        """`_dispatch` while the current stream is captured into a CUDA graph: no host exchange and no host read, so
-        a capturable transport only, after an eager dispatch of the same hidden size (it allocates the transport's
-        buffer). Shapes, dtypes and the agreement of ranks are the eager calls' to check; the values of the layout
-        tensors are not checked."""
-        x, handle, *_, previous_event, fp8, dequantize, internal = args
-        sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
-        spec = checks.check_dispatch(self._where, *args, check_values=False)
-        move = self._dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, True, internal)
-        name = registry.choose(self.backend, move, self._env, internal)
-        checks.captured_sms(sms, self._eager_sms)
-        if not self._transport(name).prepared(spec.hidden):
-            raise reject("x", f"make one dispatch of hidden size {spec.hidden} before capturing (it allocates the "
-                              f"{name} transport's buffer, which a capture cannot)")
-        self._wait_previous(previous_event)
-        out = self._dispatch_run(name, spec, handle, move, args, sms, None)
-        return (*out[:3], None if handle is not None else [], out[3], self._finish_event(async_finish))
-
-    def _dispatch_move(self, spec, handle, quantize: bool, sms: int, argument: str, captured: bool, internal: bool,
-                       max_tokens: Optional[int] = None) -> Move:
-        """What a dispatch asks of a transport (`registry.choose`); ``max_tokens``: the most tokens any rank sends
-        (after the header exchange), else this rank's."""
-        return Move("dispatch", spec.values.dtype if spec.values is not None else None, quantize, spec.hidden,
-                    spec.num_topk, spec.num_tokens if max_tokens is None else max_tokens, sms, argument,
-                    handle.transport if handle is not None else None, handle.hidden if handle is not None else 0,
-                    captured, handle.num_worst_tokens if handle is not None else spec.num_worst_tokens,
-                    combine_rows=internal and handle is not None)
-
-    def _dispatch_run(self, name: str, spec, handle, move: Move, args, sms: int, counts):
-        """The data phase of a dispatch on the transport ``name``: ``(recv_x, recv_topk_idx, recv_topk_weights,
-        handle)``. ``counts``: the header's tokens from each rank to each (None in a capture and in the cached mode)."""
-        topk_idx, topk_weights, fp8, dequantize = args[6], args[7], args[11], args[12]
-        values, scales = spec.values, spec.scales
-        in_kernel = move.quantize and values.dtype in registry.capabilities(name).quantizes
-        if move.quantize and not in_kernel:
-            values, scales = fp8_lib.quantize_activations(values)
-        if handle is None:
-            handle = DispatchHandle(
-                buffer_id=id(self), rank=self.rank, num_ranks=self.group_size, is_token_in_rank=args[4],
-                rank_prefix_matrix=torch.empty(0, dtype=torch.int32, device=self.device),
-                recv_src_idx=torch.empty(0, dtype=torch.int32, device=self.device),
-                num_recv_tokens=sum(row[self.rank] for row in counts) if counts is not None else -1,
-                num_worst_tokens=move.worst, num_local_experts=spec.num_experts // self.group_size,
-                round=self._round, hidden=spec.hidden, transport=name)
-        else:
-            counts = None
-        received = self._transport(name).dispatch(
-            handle, Tokens(values, scales, topk_idx, topk_weights, in_kernel, handle.num_local_experts, counts),
-            num_sms=sms)
-        recv_x, recv_topk_weights = received.values, received.topk_weights
-        if received.topk_idx is not None and recv_topk_weights is not None:
-            recv_topk_weights = recv_topk_weights.masked_fill(received.topk_idx < 0, 0.0)
-        if fp8 or spec.scales is not None:
-            out_dtype = spec.values.dtype if spec.scales is None else torch.bfloat16
-            recv_x = (fp8_lib.dequantize_1x128(recv_x, received.scales, out_dtype) if dequantize
-                      else (recv_x, received.scales))
-        return recv_x, received.topk_idx, recv_topk_weights, handle
+        cached, recv_per_expert, counts = handle is not None, None, None
+        if not cached:  # a new layout: the choice for the most tokens any rank sends; its handle
+            move, name, recv_per_expert = calls.agree_layout(self, spec, move, headers, internal)
+            counts = [row[HEADER_WORDS:] for row in headers]
+            handle = calls.new_handle(self, name, spec, move, is_token_in_rank, counts)
+        out = calls.run_dispatch(self._transport(name), spec, handle, move, topk_idx, topk_weights, fp8, dequantize,
+                                 sms, counts)
+        return (*out, calls.per_expert_list(cached, recv_per_expert, expert_alignment, num_worst_tokens), handle,
+                self._finish_event(async_finish))
 
     @aborts
     def check_kernels(self) -> None:
@@ -471,7 +394,7 @@ class Buffer:
         Buffer call; waits for the current stream. Every eager call does this itself; call it after replaying
         CUDA graphs, where no host code of the buffer runs.
         """
-        failure = self._kernel_failure(whole_stream=True)
+        failure = calls.kernel_failure(self._transports, self.device, whole_stream=True)
         if failure:
             self._device_failure = failure
             raise EPError(f"rank {self.rank}: {failure}")
@@ -507,10 +430,7 @@ class Buffer:
         self._check_alive()
         handle = checks.handle_of(handle)
         biases = checks.bias_tuple(bias)
-        needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, topk_weights, *biases))
-        # (a bias the checks reject, on every rank: untracked, to be rejected there)
-        trackable = len(biases) <= 2 and (bias is None or isinstance(bias, (torch.Tensor, tuple, list)))
-        if torch.is_grad_enabled() and needs_grad and trackable:
+        if combine_is_tracked(x, topk_weights, bias, biases):
             return combine_with_grad(self._untracked(), x, handle, topk_weights, biases, previous_event, async_finish,
                                      config)
         return self._combine(x, handle, topk_weights, bias, previous_event, async_finish, config=config)
@@ -519,7 +439,7 @@ class Buffer:
     def _combine(self, x, handle, topk_weights, bias, previous_event, async_finish, internal: bool = False,
                  config=None):
         """`combine` without autograd; `internal` (a backward pass) allows `x=None`. Captured in a CUDA graph (see
-        `_dispatch_captured`) it exchanges nothing."""
+        `calls.dispatch_captured`) it exchanges nothing."""
         captured = self._capturing()
         if not captured:
             self._wait_previous(previous_event)
@@ -528,10 +448,8 @@ class Buffer:
         try:
             biases = checks.check_combine(self._where, x, handle, topk_weights, bias, previous_event, internal)
             sms, argument = checks.call_sms(config, self.num_sms, self.budget is not None)
-            move = Move("combine", x.dtype if x is not None else None, False, x.size(1) if x is not None else 0,
-                        topk_weights.size(1) if topk_weights is not None else 0, 0, sms, argument, handle.transport,
-                        handle.hidden, captured, handle.num_worst_tokens)
-            name = registry.choose(self.backend, move, self._env, internal)
+            name = registry.choose(self.backend, calls.combine_move(x, handle, topk_weights, sms, argument, captured),
+                                   self._env, internal)
             if captured:
                 checks.captured_sms(sms, self._eager_sms)
             else:
@@ -547,14 +465,7 @@ class Buffer:
             self._exchange(OP_COMBINE, "status", header, error)
             self._eager_sms = sms
         summed_x, summed_weights = self._transport(name).combine(handle, x, topk_weights, num_sms=sms)
-        combined_x = None
-        if summed_x is not None:
-            if biases:
-                summed_x = summed_x.float()  # (a device transport's sum is rounded already: one rounding more)
-                for b in biases:
-                    summed_x += b.float()
-            combined_x = summed_x if summed_x.dtype == x.dtype else summed_x.to(x.dtype)  # (`to` costs the host)
-        return combined_x, summed_weights, self._finish_event(async_finish)
+        return calls.with_bias(summed_x, biases, x), summed_weights, self._finish_event(async_finish)
 
     # -- transports, headers, events -------------------------------------------------------------------------
 
@@ -570,23 +481,8 @@ class Buffer:
     def _header(self, op: int):
         """This call's header rows; a kernel timeout recorded on this rank so far goes into its status."""
         self._round += 1
-        self._device_failure = self._device_failure or self._kernel_failure()
+        self._device_failure = self._device_failure or calls.kernel_failure(self._transports, self.device)
         return new_header(self.group_size, op, self._round, self._device_failure is not None)
-
-    def _kernel_failure(self, whole_stream: bool = False) -> Optional[str]:
-        """The timeout a device kernel of this rank has recorded so far, if any (its status word in pinned host
-        memory, written when the wait gives up; read without waiting for the kernels, see `Buffer`). With
-        ``whole_stream``, first wait for the current stream (`check_kernels`) where a device transport ran."""
-        if len(self._transports) == 1:  # the reference transport alone: no kernels
-            return None
-        if whole_stream:
-            torch.cuda.current_stream(self.device).synchronize()
-        for transport in self._transports.values():
-            try:
-                transport.raise_if_failed()
-            except (EPTimeoutError, ValueError) as error:
-                return str(error)
-        return None
 
     def _exchange(self, op: int, what: str, header, own_error: Optional[EPArgumentError]) -> List[List[int]]:
         """Send this rank's header rows (`what`, for error messages) and agree on the rows every rank sent
