@@ -108,7 +108,7 @@ def dispatch_captured(buf: "Buffer", args: tuple, async_finish: bool, config):
     so a capturable transport only, after an eager dispatch of the same hidden size (it allocates the transport's
     buffer). Shapes, dtypes and the agreement of ranks are the eager calls' to check; the values of the layout tensors
     are not checked. ``args``: `checks.check_dispatch`'s."""
-    x, handle, *_, previous_event, fp8, dequantize, internal = args
+    _, handle, *_, previous_event, fp8, dequantize, internal = args
     sms, argument = checks.call_sms(config, buf.num_sms, buf.budget is not None)
     spec = checks.check_dispatch(buf._where, *args, check_values=False)
     move = dispatch_move(spec, handle, fp8 and spec.scales is None, sms, argument, True, internal)
