@@ -21,7 +21,6 @@ moves data:
 
 from __future__ import annotations
 
-import numbers
 import os
 import socket
 from dataclasses import dataclass
@@ -29,16 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._args import check_int
 from .ep.layout import compute_dispatch_layout
 
 SUPPORTED_LAYOUTS = ("supported layouts: the same number of ranks on every node, the ranks of a node contiguous in "
                      "the group (group rank r on node r // ranks_per_node), as torchrun's default rank assignment "
                      "gives; pass ranks_per_node=N to treat each N consecutive ranks as one node")
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +47,8 @@ class NodeLayout:
     source: str = "explicit"
 
     def __post_init__(self) -> None:
-        _check_positive_int("ranks_per_node", self.ranks_per_node)
-        _check_positive_int("num_nodes", self.num_nodes)
+        check_int("ranks_per_node", self.ranks_per_node, 1)
+        check_int("num_nodes", self.num_nodes, 1)
 
     @property
     def group_size(self) -> int:
@@ -65,9 +60,7 @@ class NodeLayout:
         return self.num_nodes > 1
 
     def _check_rank(self, rank) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.group_size:
-            raise ValueError(f"rank must be an int in [0, {self.group_size}), got {rank!r}")
-        return int(rank)
+        return check_int("rank", rank, 0, stop=self.group_size)
 
     def node_of(self, rank: int) -> int:
         return self._check_rank(rank) // self.ranks_per_node
@@ -76,8 +69,7 @@ class NodeLayout:
         return self._check_rank(rank) % self.ranks_per_node
 
     def ranks_of_node(self, node: int) -> list[int]:
-        if isinstance(node, bool) or not isinstance(node, numbers.Integral) or not 0 <= node < self.num_nodes:
-            raise ValueError(f"node must be an int in [0, {self.num_nodes}), got {node!r}")
+        node = check_int("node", node, 0, stop=self.num_nodes)
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
     def peers(self, rank: int) -> list[int]:
@@ -90,12 +82,10 @@ class NodeLayout:
         """The node holding ``expert`` of ``num_experts`` laid out contiguously over the group's ranks (rank ``r``
         holds experts ``[r * E / size, (r + 1) * E / size)``, DeepEP's layout), so node ``n`` holds the ``n``-th
         contiguous ``E / num_nodes`` of them."""
-        _check_positive_int("num_experts", num_experts)
+        check_int("num_experts", num_experts, 1)
         if num_experts % self.group_size:
             raise ValueError(f"num_experts={num_experts} must divide evenly over the {self.group_size} ranks")
-        if isinstance(expert, bool) or not isinstance(expert, numbers.Integral) or not 0 <= expert < num_experts:
-            raise ValueError(f"expert must be an int in [0, {num_experts}), got {expert!r}")
-        return int(expert) // (num_experts // self.num_nodes)
+        return check_int("expert", expert, 0, stop=num_experts) // (num_experts // self.num_nodes)
 
 
 def layout_from_node_keys(keys: list, source: str) -> NodeLayout:
@@ -141,7 +131,7 @@ def _decide(infos: list[tuple], group_size: int) -> NodeLayout:
             raise ValueError(f"node layout: the ranks pass different ranks_per_node ({detail}); every rank of the "
                              f"group must pass the same value")
         n = explicit[0]
-        _check_positive_int("ranks_per_node", n)
+        check_int("ranks_per_node", n, 1)
         if group_size % n:
             raise ValueError(f"node layout: ranks_per_node={n} does not divide the group's {group_size} ranks into "
                              f"whole nodes; {SUPPORTED_LAYOUTS}")
@@ -178,7 +168,7 @@ def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | No
     dividing the group, nodes of different sizes or with ranks not contiguous in the group. Without an initialized
     process group the layout is one node of one rank."""
     if ranks_per_node is not None:
-        _check_positive_int("ranks_per_node", ranks_per_node)
+        check_int("ranks_per_node", ranks_per_node, 1)
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("node_layout: a group was passed but torch.distributed is not initialized")
@@ -200,7 +190,7 @@ def token_bytes(hidden: int, fp8: bool, scale_block: int = 128, scale_bytes: int
     ``scale_block`` values (smsplit's and DeepEP's 1x128 fp32 scales: 7392 bytes at hidden 7168), or
     ``value_bytes`` a value unquantized (BF16: 14336 bytes at hidden 7168). Metadata (top-k ids and weights, source
     index) is not counted: DeepEP's figures do not count it either."""
-    _check_positive_int("hidden", hidden)
+    check_int("hidden", hidden, 1)
     if fp8:
         return hidden + scale_bytes * -(-hidden // scale_block)
     return value_bytes * hidden
@@ -257,7 +247,7 @@ def count_node_bytes(is_token_in_rank: torch.Tensor, rank: int, layout: NodeLayo
     (`Buffer.get_dispatch_layout`'s): whether each token goes to each rank. Pure arithmetic on the mask (any
     device; one host sync for the totals)."""
     rank = layout._check_rank(rank)
-    _check_positive_int("bytes_per_token", bytes_per_token)
+    check_int("bytes_per_token", bytes_per_token, 1)
     if (not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dim() != 2
             or is_token_in_rank.size(1) != layout.group_size):
         shape = tuple(is_token_in_rank.shape) if isinstance(is_token_in_rank, torch.Tensor) else type(is_token_in_rank)
@@ -287,8 +277,8 @@ def count_node_bytes(is_token_in_rank: torch.Tensor, rank: int, layout: NodeLayo
 def is_token_in_rank_from_topk(topk_idx: torch.Tensor, num_experts: int, group_size: int) -> torch.Tensor:
     """``[tokens, group_size]`` bool: whether a token has an expert on each rank, experts laid out contiguously
     (rank ``r`` holds ``[r * E / size, (r + 1) * E / size)``); ids of -1 (no expert) are skipped."""
-    _check_positive_int("num_experts", num_experts)
-    _check_positive_int("group_size", group_size)
+    check_int("num_experts", num_experts, 1)
+    check_int("group_size", group_size, 1)
     if num_experts % group_size:
         raise ValueError(f"num_experts={num_experts} must divide evenly over the {group_size} ranks")
     if topk_idx.dim() != 2:

@@ -8,20 +8,21 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import _args as args
 from ..timeouts import timeout_problem
 from .event import EventOverlap
 from .header import FLAG_CACHED, FLAG_SCALES, FLAG_TOPK_IDX, FLAG_TOPK_WEIGHTS, HEADER_WORDS
 from .layout import DispatchHandle, check_dispatch_layout
 from .rows import SCALE_BLOCK, buffer_bytes, combine_row_bytes
 from .registry import check_backend
-from .transport import reject
+from .transport import EPArgumentError, reject
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # DeepEP's `deep_ep.topk_idx_t`: the dtype of `topk_idx` (DeepEP's default build; one built with TOPK_IDX_BITS=32
 # takes int32, which these kernels and checks do not)
 topk_idx_t = torch.int64
 MAX_ROWS = (1 << 31) - 1  # received rows are named by int32 indices (recv_src_idx, the layouts' positions)
-MAX_COUNT = (1 << 62) - 1  # a count or size above this cannot be a real one and would overflow the int64 header
+MAX_COUNT = args.MAX_INT  # a count or size above this cannot be a real one and would overflow the int64 header
 MAX_NUM_SMS = 1 << 16  # far above any GPU's SMs; keeps a count inside the int64 header
 
 
@@ -128,22 +129,20 @@ def plain_int(value):
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
-def check_int(name: str, value, minimum: int, maximum: int = MAX_COUNT) -> None:
-    """An int (numpy ints too) in [minimum, maximum], else `EPArgumentError` naming ``name``."""
-    if type(value) is int and minimum <= value <= maximum:  # (the usual case, without the ABC check below)
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise reject(name, f"expected an int >= {minimum}, got {value!r}")
-    if value > maximum:
-        raise reject(name, f"expected an int <= {maximum}, got {value!r}")
+def _expected(name: str, wanted: str) -> EPArgumentError:
+    return reject(name, f"expected {wanted}")
+
+
+def check_int(name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
+    """An int (numpy ints too) in [minimum, maximum] (`smsplit._args.check_int`'s rule, below `MAX_COUNT` always) as
+    a Python int, else `EPArgumentError` naming ``name``."""
+    return args.check_int(name, value, minimum, maximum, error=_expected)
 
 
 def sms_count(name: str, value, subject: str = "expected") -> int:
     """An SM count as an int in [1, MAX_NUM_SMS] (numpy ints too), else `EPArgumentError` naming ``name`` (its
     message: ``subject`` an int in ...)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_SMS:
-        raise reject(name, f"{subject} an int in [1, {MAX_NUM_SMS}], got {value!r}")
-    return int(value)
+    return args.check_int(name, value, 1, MAX_NUM_SMS, error=lambda _, wanted: reject(name, f"{subject} {wanted}"))
 
 
 def check_topk_idx_form(topk_idx, num_tokens: Optional[int], device: torch.device) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._args import check_int
 from .kernels import common
 from .transport import EPError
 
@@ -20,9 +21,7 @@ MAX_CHUNKS = 8  # bulk="copy_engine": the most chunks a combine's copies are cut
 
 def check_num_sms(num_sms) -> int:
     """The SM count of one call: persistent programs of its kernels (every rank passes the same count)."""
-    if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
-        raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
-    return int(num_sms)
+    return check_int("num_sms", num_sms, 1)
 
 
 def region_bytes(R: int, M: int, H: int, K: int) -> dict:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .._args import check_int
+
 
 def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, topk: int, n_groups: int,
                        topk_groups: int) -> torch.Tensor:
@@ -46,16 +48,11 @@ def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, topk: int, n_gr
     return biased.topk(topk, dim=-1).indices
 
 
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _check_groups(n_experts: int, topk: int, n_groups: int, topk_groups: int) -> None:
     """The group-limited top-k's arguments: ints, groups that divide the experts, top-k that fits."""
     for name, value in (("n_experts", n_experts), ("topk", topk), ("n_groups", n_groups),
                         ("topk_groups", topk_groups)):
-        _check_int(name, value, 1)
+        check_int(name, value, 1)
     if n_experts % n_groups:
         raise ValueError(f"n_experts={n_experts} must divide into n_groups={n_groups} equal groups")
     if not 1 <= topk_groups <= n_groups:
@@ -84,7 +81,7 @@ def node_limited_groups(n_experts: int, topk: int, n_groups: int, topk_groups: i
     the nodes, or ``topk`` experts that do not fit in M nodes' experts."""
     _check_groups(n_experts, topk, n_groups, topk_groups)
     if max_nodes_per_token is not None:
-        _check_int("max_nodes_per_token", max_nodes_per_token, 1)
+        check_int("max_nodes_per_token", max_nodes_per_token, 1)
     if nodes is None or nodes.num_nodes == 1:
         return n_groups, topk_groups
     num_nodes = nodes.num_nodes
@@ -122,7 +119,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, n_groups: int = 1, topk_groups: int = 1,
                  route_scale: float = 1.0, bias_update_speed: float = 1e-3):
         super().__init__()
-        _check_int("dim", dim, 1)
+        check_int("dim", dim, 1)
         _check_groups(n_experts, topk, n_groups, topk_groups)
         # (bias_update_speed 0 is allowed: DeepSeek-V3 freezes the bias for its last 500B tokens)
         for name, value, zero_ok in (("route_scale", route_scale, False), ("bias_update_speed", bias_update_speed, True)):
