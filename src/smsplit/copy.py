@@ -13,7 +13,6 @@ Two methods:
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 import triton
@@ -21,6 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from smsplit import ptx
+from smsplit._args import check_int
 from smsplit.trace import Trace, record_block
 
 METHODS = ("ldst", "tma")
@@ -130,9 +130,7 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor, num_programs: int, trace: Trac
         raise ValueError(f"src has {src.nbytes} bytes and dst {dst.nbytes}; they must match")
     if src.nbytes % 16:
         raise ValueError(f"the copy moves 16-byte vectors; {src.nbytes} bytes is not a multiple of 16")
-    if isinstance(num_programs, bool) or not isinstance(num_programs, numbers.Integral) or num_programs < 1:
-        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
-    num_programs = int(num_programs)
+    num_programs = check_int("num_programs", num_programs, 1)
     for what, value in (("block", block), ("num_warps", num_warps)):  # Triton needs both powers of two
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{what} must be a power of two, got {value!r}")

@@ -20,7 +20,6 @@ The workload `smsplit trace` draws (a copy kernel beside cuBLAS GEMMs) is `smspl
 from __future__ import annotations
 
 import json
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 
 from smsplit import intervals, ptx
+from smsplit._args import check_int
 
 KIND_COLOURS = {"comm": "#e4572e", "compute": "#2e86ab", "probe": "#9e9e9e", "other": "#76b041"}
 RECORD_WORDS = tl.constexpr(4)  # sm, start_ns, end_ns, tag
@@ -104,9 +104,7 @@ class Trace:
         to the kernel (it writes record ``program_id`` of the view)."""
         if self._buffer is None:
             raise RuntimeError("this Trace has no device buffer (made from records)")
-        if isinstance(n_programs, bool) or not isinstance(n_programs, numbers.Integral) or n_programs < 1:
-            raise ValueError(f"n_programs must be an int >= 1, got {n_programs!r}")
-        n_programs = int(n_programs)
+        n_programs = check_int("n_programs", n_programs, 1)
         if self._used + n_programs > self.capacity:
             raise RuntimeError(
                 f"trace buffer full: {self._used} of {self.capacity} records used, {n_programs} more "

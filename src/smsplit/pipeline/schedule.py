@@ -21,6 +21,8 @@ import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
+from smsplit._args import check_int
+
 KINDS = ("1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
@@ -305,9 +307,7 @@ def comm_plan(kind: str, pp: int, chunks: int, rank: int, forward_only: bool = F
     before the op that needs it. In forward_only mode gradients are not sent.
     """
     plans = comm_plans(kind, pp, chunks, forward_only)
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < len(plans):
-        raise ValueError(f"rank must be an int in [0, {len(plans)}), got {rank!r}")
-    return [item for _, item in plans[rank]]
+    return [item for _, item in plans[check_int("rank", rank, 0, stop=len(plans))]]
 
 
 def comm_plans(kind: str, pp: int, chunks: int, forward_only: bool = False) -> list[list[tuple]]:
