@@ -148,12 +148,12 @@ def test_deepep_style_code_runs_after_an_import_change(world_size):
 
 
 def test_deepep_only_paths_are_refused_with_a_reason():
-    with pytest.raises(ValueError, match="num_rdma_bytes: must be 0"):
-        Buffer(None, num_rdma_bytes=1 << 20)
+    with pytest.raises(ValueError, match="num_rdma_bytes: expected an int >= 0"):
+        Buffer(None, num_rdma_bytes=-1)
     with pytest.raises(ValueError, match="low_latency_mode: must be False"):
         Buffer(None, low_latency_mode=True)
-    with pytest.raises(ValueError, match="num_rdma_bytes: must be 0"):
-        Buffer(None, 0, 16)  # the third positional argument is DeepEP's num_rdma_bytes, not num_sms
+    with pytest.raises(ValueError, match="num_rdma_bytes: expected an int >= 0"):
+        Buffer(None, 0, 16.0)  # the third positional argument is DeepEP's num_rdma_bytes, not num_sms
     with pytest.raises(ValueError, match="low_latency_mode: must be False"):
         Buffer(None, 0, 0, True)
     with pytest.raises(TypeError):

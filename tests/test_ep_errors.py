@@ -340,7 +340,8 @@ def test_a_layout_that_is_not_the_top_k_ids_is_rejected_on_every_rank():
 
 
 def case_constructor_error_on_one_rank(rank, world_size, argument):
-    bad = {"num_sms": dict(num_sms=0), "backend": dict(backend="nvlink"), "num_rdma_bytes": dict(num_rdma_bytes=1),
+    bad = {"num_sms": dict(num_sms=0), "backend": dict(backend="nvlink"), "num_rdma_bytes": dict(num_rdma_bytes=-1),
+           "ranks_per_node": dict(ranks_per_node=0),
            "num_nvl_bytes": dict(num_nvl_bytes="big"), "timeout_s": dict(timeout_s=-1.0),
            "num_nvl_bytes too big": dict(num_nvl_bytes=2**64)}[argument]  # (beyond the int64 header)
     start = time.monotonic()
@@ -352,7 +353,7 @@ def case_constructor_error_on_one_rank(rank, world_size, argument):
 
 
 @pytest.mark.parametrize("argument", ["num_sms", "backend", "num_rdma_bytes", "num_nvl_bytes", "timeout_s",
-                                      "num_nvl_bytes too big"])
+                                      "num_nvl_bytes too big", "ranks_per_node"])
 def test_a_constructor_argument_rejected_on_one_rank_is_raised_on_every_rank_at_once(argument):
     results = gloo_pool(2).run(case_constructor_error_on_one_rank, argument)
     name = argument.split()[0]

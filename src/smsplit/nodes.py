@@ -21,6 +21,7 @@ moves data:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -154,6 +155,36 @@ def _decide(infos: list[tuple], group_size: int) -> NodeLayout:
         keys = [int(info[2]) if info[2] is not None else info[3] // local for info in infos]
         return layout_from_node_keys(keys, "launcher")
     return layout_from_node_keys([info[4] for info in infos], "hostname")
+
+
+NODE_ROW_WORDS = 5  # `node_row`'s words
+
+
+def node_row(ranks_per_node: int | None, global_rank: int) -> list[int]:
+    """This rank's facts for `layout_from_rows`, as int64 words (so that `smsplit.ep.Buffer` gathers them with its
+    bounded header exchange): ``ranks_per_node`` (-1: none), ``LOCAL_WORLD_SIZE`` (-1: unset, -2: not an int),
+    ``GROUP_RANK`` (-1: unset, -2: not an int), the global rank, and 62 bits of a hash of the host name."""
+    def word(value: str | None) -> int:
+        if value is None:
+            return -1
+        try:
+            return int(value)
+        except ValueError:
+            return -2
+    local_size, group_rank = _launcher_node()
+    host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest(), "little") >> 2
+    return [-1 if ranks_per_node is None else int(ranks_per_node), word(local_size), word(group_rank),
+            int(global_rank), host]
+
+
+def layout_from_rows(rows) -> NodeLayout:
+    """The layout from every rank's `node_row`, in group order (``rows``: ``[group size, NODE_ROW_WORDS]`` ints):
+    the decision of `node_layout`, which every rank reaches alike from the same rows (the same ValueError where the
+    layout cannot work)."""
+    def value(word: int):
+        return None if word == -1 else ("not an int" if word == -2 else int(word))
+    infos = [(value(row[0]), value(row[1]), value(row[2]), int(row[3]), int(row[4])) for row in rows]
+    return _decide(infos, len(infos))
 
 
 def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None) -> NodeLayout:

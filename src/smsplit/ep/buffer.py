@@ -19,9 +19,10 @@ from .event import EventOverlap
 from .header import (H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH, OP_INIT, OP_NAMES, aborts, agree, agree_init,
                      fill_combine, fill_dispatch, init_header, new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
+from ..nodes import NodeLayout, layout_from_rows, node_row
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
-from .transport import EPArgumentError, EPError, Environment, on_every_rank
+from .transport import EPArgumentError, EPError, Environment, on_every_rank, reject
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 __all__ = ["BACKENDS", "DEVICE_BACKENDS", "Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
@@ -44,7 +45,9 @@ class Buffer:
     Attributes:
         group, rank, group_size: the communication group, this rank in it, its size.
         num_nvl_bytes: the receive buffer each rank holds (0: the reference transport allocates per call).
-        num_rdma_bytes: 0 (DeepEP's attribute; intranode only).
+        num_rdma_bytes: as given (DeepEP's attribute; the hierarchical transport allocates its messages per call).
+        nodes: the node layout (`smsplit.nodes.NodeLayout`): from `ranks_per_node`, else the launcher's, else the
+            host names; the same on every rank.
         num_sms: the SMs of a call whose `config` names none: `budget`'s comm SMs, else the constructor's, else the
             class attribute `Buffer.num_sms` (DeepEP's default, 20; `set_num_sms` changes it).
         budget: the `smsplit.budget.SmBudget` whose comm SM count the device kernels use, or None.
@@ -61,7 +64,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, *,
                  num_sms: Optional[int] = None, budget=None, backend: str = "auto", timeout_s: float = 60.0,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None) -> None:
+                 comm=None, ranks_per_node: Optional[int] = None) -> None:
         """
         Create the buffer; collective over `group`. The positional arguments are DeepEP's, in DeepEP's order
         (`Buffer(group, num_nvl_bytes, num_rdma_bytes)` works as it does there); smsplit's own are keyword-only.
@@ -73,7 +76,8 @@ class Buffer:
                 backend only). Dispatches and combines whose worst case does not fit raise `EPArgumentError`. A
                 device backend allocates one buffer of this size per hidden size it dispatches (at the first
                 dispatch of that size).
-            num_rdma_bytes: must be 0 (intranode only).
+            num_rdma_bytes: DeepEP's RDMA buffer size, an int >= 0, recorded and otherwise unused: the hierarchical
+                transport sizes its messages per call (docs/internode.md).
             low_latency_mode: must be False (no low-latency kernels).
             num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: DeepEP's; accepted and ignored (they
                 configure its RDMA and low-latency paths).
@@ -95,13 +99,22 @@ class Buffer:
         DeepEP's keyword arguments whose position differs between its versions, by keyword only:
             use_fabric, enable_shrink, comm: accepted and ignored (fabric memory, elastic ranks, MPI bootstrap).
             explicitly_destroy: accepted; `destroy` works either way.
+
+        smsplit's node layout, by keyword only:
+            ranks_per_node: each N consecutive ranks of `group` form one node, whatever machine they run on (one
+                machine emulating several nodes, for tests and for measuring the algorithm); None: the launcher's
+                nodes (torchrun's `LOCAL_WORLD_SIZE`, `GROUP_RANK`), else the host names. With several nodes
+                "auto" moves tokens hierarchically (once across the network per target node, then inside the node:
+                docs/internode.md) and a one-node backend ("nvlink", "nvlink_copy_engine", "copy_engine") is an
+                `EPArgumentError` on every rank. An N that does not divide the group, or ranks passing different
+                N, is an `EPArgumentError` naming `ranks_per_node` on every rank, before any token moves.
         """
         if group is None:
             group = dist.group.WORLD
         error = None  # an argument error: raised on every rank after the first header exchange (below)
         try:
-            num_nvl_bytes, num_sms = checks.constructor(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms,
-                                                        backend, timeout_s)
+            num_nvl_bytes, num_rdma_bytes, num_sms = checks.constructor(
+                num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, backend, timeout_s, ranks_per_node)
         except EPArgumentError as e:
             if group is None:  # no process group to tell the others through
                 raise
@@ -112,7 +125,7 @@ class Buffer:
         self.rank = group.rank()
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes if error is None else 0
-        self.num_rdma_bytes = 0  # (DeepEP's attribute: intranode only)
+        self.num_rdma_bytes = num_rdma_bytes if error is None else 0
         self.budget = budget
         if budget is not None:
             self.num_sms = int(getattr(budget, "comm_sms", num_sms if num_sms is not None else Buffer.num_sms))
@@ -142,6 +155,24 @@ class Buffer:
         # Every rank on one machine (the header file was shared): what "auto" needs of a device transport. An
         # explicit one is taken at its word: ranks that share no /dev/shm may still share GPUs.
         self._env = self._environment(one_node=self.transport.one_node)
+        self.nodes = self._agree_nodes(ranks_per_node if error is None else None)
+        self._env = self._env._replace(num_nodes=self.nodes.num_nodes)
+        self._where = checks.Where(self.device, self.group_size, id(self), self.num_nvl_bytes, self.nodes.num_nodes)
+        if self.nodes.num_nodes > 1 and self.backend != registry.AUTO:
+            error = registry.environment_problem(self.backend, self._env)
+            if error is not None:
+                raise on_every_rank(error)
+
+    def _agree_nodes(self, ranks_per_node: Optional[int]) -> NodeLayout:
+        """The node layout (`smsplit.nodes`), from every rank's facts gathered by a header exchange (bounded by
+        `timeout_s`, as every wait): the same on every rank, or the same `EPArgumentError` naming `ranks_per_node`
+        on every rank."""
+        row = torch.tensor([node_row(ranks_per_node, dist.get_global_rank(self.group, self.rank))], dtype=torch.int64)
+        rows = self.transport.exchange_headers("init", "the node layout", row.expand(self.group_size, -1))
+        try:
+            return layout_from_rows(rows.tolist())
+        except ValueError as e:
+            raise on_every_rank(reject("ranks_per_node", f"{e}")) from None
 
     def _environment(self, one_node: bool) -> Environment:
         """What this buffer runs on, for the registry (the same on every rank)."""
@@ -247,7 +278,8 @@ class Buffer:
 
         Returns:
             num_tokens_per_rank: `[num_ranks]` `torch.int`, the tokens sent to each rank; num_tokens_per_rdma_rank:
-            None (intranode only); num_tokens_per_expert: `[num_experts]` `torch.int`, the tokens sent to each
+            `[num_nodes]` `torch.int`, the tokens sent to each node (a token counted once per node), where the
+            node layout has several nodes, else None (as DeepEP's intranode buffers); num_tokens_per_expert: `[num_experts]` `torch.int`, the tokens sent to each
             expert; is_token_in_rank: `[num_tokens, num_ranks]` `torch.bool`; event: after the computation.
         """
         # Errors of the arguments' types and shapes leave the buffer usable: the same code passes them alike on every
@@ -263,7 +295,11 @@ class Buffer:
         checks.check_topk_idx(topk_idx, None, num_experts, self.device, values=not self._capturing())
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
             compute_dispatch_layout(topk_idx, num_experts, self.group_size)
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, self._finish_event(async_finish)
+        per_node = None
+        if self.nodes.num_nodes > 1:  # DeepEP's internode layout: tokens to each node (a token once per node)
+            per_node = is_token_in_rank.view(-1, self.nodes.num_nodes, self.nodes.ranks_per_node).any(-1) \
+                .sum(0, dtype=torch.int32)
+        return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, self._finish_event(async_finish)
 
     # -- dispatch --------------------------------------------------------------------------------------------
 
@@ -294,7 +330,8 @@ class Buffer:
             handle: a handle returned by an earlier `dispatch` of this buffer, or the tuple of its six DeepEP fields
                 that unpacking it gave (`DispatchHandle.from_deepep_tuple`); selects the cached mode.
             num_tokens_per_rank: `[num_ranks]` with `torch.int`, the number of tokens sent to each rank.
-            num_tokens_per_rdma_rank: must be None (intranode only; accepted for DeepEP compatibility).
+            num_tokens_per_rdma_rank: None, or `get_dispatch_layout`'s `[num_nodes]` tokens per node (DeepEP's
+                internode argument; checked for its shape, the transports count nodes from `is_token_in_rank`).
             is_token_in_rank: `[num_tokens, num_ranks]` with `torch.bool`, whether a token goes to a rank.
             num_tokens_per_expert: `[num_experts]` with `torch.int`, the number of tokens sent to each expert;
                 `num_experts` must be a multiple of the number of ranks and the same on every rank.

@@ -28,13 +28,14 @@ MAX_NUM_SMS = 1 << 16  # far above any GPU's SMs; keeps a count inside the int64
 
 @dataclass(frozen=True)
 class Where:
-    """What the checks of one buffer's calls compare with: its device, ranks, identity (of its handles) and
-    `num_nvl_bytes`."""
+    """What the checks of one buffer's calls compare with: its device, ranks, identity (of its handles),
+    `num_nvl_bytes` and the nodes of its node layout."""
 
     device: torch.device
     num_ranks: int
     buffer_id: int
     num_nvl_bytes: int
+    num_nodes: int = 1
 
 
 @dataclass
@@ -213,8 +214,12 @@ def check_dispatch(where: "Where", x, handle, num_tokens_per_rank, num_tokens_pe
     check_int("expert_alignment", expert_alignment, 1)
     check_int("num_worst_tokens", num_worst_tokens, 0, MAX_ROWS)
     check_event(previous_event)
-    if num_tokens_per_rdma_rank is not None:
-        raise reject("num_tokens_per_rdma_rank", "must be None: this buffer is intranode only")
+    if num_tokens_per_rdma_rank is not None:  # (DeepEP's internode argument: the transports count nodes themselves)
+        if where.num_nodes == 1:
+            raise reject("num_tokens_per_rdma_rank", "must be None: this buffer's node layout has one node (its "
+                                                     "get_dispatch_layout returns None there, as DeepEP's)")
+        check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, where.device, (torch.int32, torch.int64),
+                     (where.num_nodes,))
 
     num_experts = 0
     host_layout = None
@@ -319,21 +324,26 @@ def check_combine(where: "Where", x, handle, topk_weights, bias, previous_event,
     return biases
 
 
-def constructor(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, backend, timeout_s) -> Tuple[int, Optional[int]]:
-    """`Buffer`'s own arguments (before its first header exchange): ``(num_nvl_bytes, num_sms)`` as ints."""
+def constructor(num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, backend, timeout_s,
+                ranks_per_node=None) -> Tuple[int, int, Optional[int]]:
+    """`Buffer`'s own arguments (before its first header exchange): ``(num_nvl_bytes, num_rdma_bytes, num_sms)`` as
+    ints."""
     problem = timeout_problem(timeout_s)
     if problem:
         raise reject("timeout_s", problem)
-    if num_rdma_bytes != 0:
-        raise reject("num_rdma_bytes", f"must be 0: intranode only (no RDMA buffer), got {num_rdma_bytes!r} (the "
-                                       f"third positional argument, as in DeepEP; num_sms and smsplit's other "
-                                       f"arguments are keyword-only)")
+    num_rdma_bytes = plain_int(num_rdma_bytes)
+    if isinstance(num_rdma_bytes, bool) or not isinstance(num_rdma_bytes, int) or num_rdma_bytes < 0:
+        raise reject("num_rdma_bytes", f"expected an int >= 0, got {num_rdma_bytes!r} (the third positional "
+                                       f"argument, as in DeepEP; num_sms and smsplit's other arguments are "
+                                       f"keyword-only)")
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", plain_int(ranks_per_node), 1)
     if low_latency_mode:
         raise reject("low_latency_mode", "must be False: only DeepEP's normal (high-throughput) kernels exist here")
     check_backend(backend)
     num_nvl_bytes = plain_int(num_nvl_bytes)
     check_int("num_nvl_bytes", num_nvl_bytes, 0)
-    return num_nvl_bytes, (sms_count("num_sms", num_sms) if num_sms is not None else None)
+    return num_nvl_bytes, num_rdma_bytes, (sms_count("num_sms", num_sms) if num_sms is not None else None)
 
 
 def layout_arguments(topk_idx, num_experts, previous_event, num_ranks: int, device: torch.device) -> int:

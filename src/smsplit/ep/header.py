@@ -29,7 +29,7 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 ARGUMENTS = ("x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
              "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
              "previous_event", "fp8", "dequantize", "bias", "num_nvl_bytes", "group", "backend", "num_sms",
-             "num_rdma_bytes", "low_latency_mode", "config", "timeout_s")
+             "num_rdma_bytes", "low_latency_mode", "config", "timeout_s", "ranks_per_node")
 STATUS_TRANSPORT_FAILED = 1000  # a GPU kernel of this rank recorded a timeout; every rank raises EPError
 
 

@@ -53,11 +53,11 @@ def make(name: str, group, device: torch.device, timeout_s: float, num_nvl_bytes
     return _CLASSES[name](group, device, timeout_s, num_nvl_bytes)
 
 
-def environment(backend: str, device: torch.device, one_node: bool, num_ranks: int, num_nvl_bytes: int) \
-        -> Environment:
+def environment(backend: str, device: torch.device, one_node: bool, num_ranks: int, num_nvl_bytes: int,
+                num_nodes: int = 1) -> Environment:
     """The `Environment` of a buffer made with ``backend`` on ``device``; the GPU's SM count where a device transport
     may run there (its calls' count must not exceed it)."""
-    env = Environment(device.type == "cuda", one_node, num_ranks, num_nvl_bytes, 0, str(device))
+    env = Environment(device.type == "cuda", one_node, num_ranks, num_nvl_bytes, 0, str(device), num_nodes)
     if any(environment_problem(name, env) is None and capabilities(name).needs_cuda for name in candidates(backend)):
         env = env._replace(device_sms=torch.cuda.get_device_properties(device).multi_processor_count)
     return env
@@ -76,6 +76,9 @@ def environment_problem(name: str, env: Environment, caps: Optional[Capabilities
                                        f"Buffer.get_buffer_size_hint(..., backend={name!r})")
     if caps.max_ranks and env.num_ranks > caps.max_ranks:
         return reject("group", f"backend={name!r} serves up to {caps.max_ranks} ranks, the group has {env.num_ranks}")
+    if caps.one_node and env.num_nodes > 1:
+        return reject("backend", f"backend={name!r} moves tokens inside one node; this buffer's node layout has "
+                                 f"{env.num_nodes} nodes: use backend='hierarchical' or 'reference'")
     if caps.one_node and not env.one_node:  # (checked by "auto" only: see `Buffer`)
         return reject("backend", f"backend={name!r} needs every rank on one machine (symmetric memory); these "
                                  f"ranks share no /dev/shm: use backend='reference'")
@@ -202,6 +205,8 @@ def _choose(backend: str, move: Move, env: Environment, internal: bool,
                 unusable = unusable or trouble
                 continue
             if padded_layout and caps.capture == "cached":  # (see below)
+                continue
+            if caps.hierarchical and env.num_nodes == 1:  # (a node layout of one node: nothing crosses a network)
                 continue
         trouble = problem(name, move, env, caps)
         if trouble is None:

@@ -150,6 +150,8 @@ class Capabilities:
         buffer_bytes: ``buffer_bytes(num_ranks, max_tokens, hidden, num_topk, x_dtype, fp8, combine_dtype,
             combine_only)``: the `num_nvl_bytes` a dispatch of ``max_tokens`` tokens per rank needs (``combine_only``:
             a dispatch that carries a combine's rows back, the backward of a combine).
+        hierarchical: moves a token node by node (once across the network per target node, then inside it):
+            "auto" takes it only where the buffer's node layout has several nodes.
     """
 
     moves: FrozenSet[torch.dtype]
@@ -165,6 +167,7 @@ class Capabilities:
     max_topk: int
     max_ranks: int
     buffer_bytes: Callable[..., int]
+    hierarchical: bool = False
 
 
 class Move(NamedTuple):  # (a tuple: made twice per eager call, it costs a fifth of a frozen dataclass)
@@ -206,8 +209,8 @@ class Move(NamedTuple):  # (a tuple: made twice per eager call, it costs a fifth
 
 class Environment(NamedTuple):
     """What a `Buffer` runs on, the same on every rank: CUDA tensors on an NCCL group, every rank on one machine
-    (known after the constructor's header exchange), its ranks, `num_nvl_bytes`, and the GPU's SM count (0: no
-    GPU)."""
+    (known after the constructor's header exchange), its ranks, `num_nvl_bytes`, the GPU's SM count (0: no
+    GPU), and the nodes of its node layout (`smsplit.nodes`: real, or emulated with ``ranks_per_node``)."""
 
     cuda: bool
     one_node: bool
@@ -215,6 +218,7 @@ class Environment(NamedTuple):
     num_nvl_bytes: int
     device_sms: int
     device: str = "cpu"
+    num_nodes: int = 1
 
 
 @dataclass
