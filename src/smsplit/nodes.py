@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from ._args import check_int
-from .ep.layout import compute_dispatch_layout
 
 SUPPORTED_LAYOUTS = ("supported layouts: the same number of ranks on every node, the ranks of a node contiguous in "
                      "the group (group rank r on node r // ranks_per_node), as torchrun's default rank assignment "
@@ -316,6 +315,8 @@ def is_token_in_rank_from_topk(topk_idx: torch.Tensor, num_experts: int, group_s
         raise ValueError(f"topk_idx must be [tokens, topk], got {tuple(topk_idx.shape)}")
     if topk_idx.numel() and (int(topk_idx.max()) >= num_experts or int(topk_idx.min()) < -1):
         raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}) or -1")
+    from .ep.layout import compute_dispatch_layout  # (here: smsplit.ep's Buffer imports this module)
+
     return compute_dispatch_layout(topk_idx.long(), num_experts, group_size)[2]
 
 
