@@ -461,7 +461,7 @@ def compare_with_deepep(op: str = "dispatch") -> list[dict]:
 
 def _markdown() -> str:
     out = []
-    out.append("Per-token rows (simulated: 4096 tokens on every rank, seed 0; 256 experts, top-8, 8 GPUs a node); "
+    out.append("Per-token rows (simulated: 4096 tokens on every rank, seed 0; 256 experts, top-8, 8 GPUs a node):\n"
                "means over the ranks, and the busiest rank's\n")
     out.append("| EP | routing | target nodes (mean / max) | crossings | NVLink forwards | destination ranks | "
                "DeepEP node pairs | flat rows off node | busiest: network / NVLink / local |")
@@ -480,9 +480,10 @@ def _markdown() -> str:
         for r in compare_with_deepep(op):
             out.append(f"| {r['ep']} | {r['published_gbps']:.0f} | {r['predicted_gbps']:.1f} | {r['ratio']:.2f} | "
                        f"{r['time_us']:.0f} | {r['fill_us']:.0f} | {r['bottleneck']} | {r['network_gbps']:.1f} |")
-    out.append("\nProjected, DeepSeek-V3 routing (M = 4), 4096 tokens a GPU, hidden 7168, FP8 dispatch / BF16 combine, "
-               "400 Gb/s NIC a GPU; smsplit's SM split chosen by `best_design`\n")
-    out.append("| GPU | EP | op | design | time (us) | bottleneck | leaving the node (GB/s) | DeepEP convention (GB/s) |")
+    out.append("\nProjected, DeepSeek-V3 routing (M = 4), 4096 tokens a GPU, hidden 7168, FP8 dispatch / BF16 "
+               "combine,\n400 Gb/s NIC a GPU; smsplit's SM split chosen by `best_design`\n")
+    out.append("| GPU | EP | op | design | time (us) | bottleneck | leaving the node (GB/s) | "
+               "DeepEP convention (GB/s) |")
     out.append("|---|---|---|---|---|---|---|---|")
     for gpu in ("H800", "H200"):
         for ep in (16, 32, 64):
