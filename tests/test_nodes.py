@@ -10,8 +10,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from smsplit.nodes import (NodeLayout, count_node_bytes, is_token_in_rank_from_topk, layout_from_node_keys,
-                           node_bytes_from_topk, node_layout, token_bytes)
+from smsplit.nodes import (AGREED_LAUNCH_ENV, NodeLayout, check_launch_env, count_node_bytes, env_disagreements,
+                           is_token_in_rank_from_topk, layout_from_node_keys, node_bytes_from_topk, node_layout,
+                           token_bytes)
 
 
 # --- the layout itself ---------------------------------------------------------------------------------------------
@@ -169,6 +170,44 @@ def test_interleaved_hosts_raise_on_every_rank():
 def test_local_world_sizes_that_differ_raise_on_every_rank():
     env = [{"LOCAL_WORLD_SIZE": 2}, {"LOCAL_WORLD_SIZE": 2}, {"LOCAL_WORLD_SIZE": 1}, {"LOCAL_WORLD_SIZE": 1}]
     _every_rank_raised(_pool(4).run(_layout_case, None, env, None), r"LOCAL_WORLD_SIZE differs across the ranks")
+
+
+def test_env_disagreements_name_the_variable_and_the_ranks_on_each_side():
+    values = [{"NCCL_NVLS_ENABLE": "0"}, {"NCCL_NVLS_ENABLE": "0"}, {}, {"NCCL_NVLS_ENABLE": "1"}]
+    assert env_disagreements(values, ("NCCL_NVLS_ENABLE",)) == [
+        "NCCL_NVLS_ENABLE: '0' on ranks 0, 1; unset on ranks 2; '1' on ranks 3"]
+    assert env_disagreements([{"A": "x"}] * 3, ("A", "B")) == []
+    many = [{"A": "1"}] * 10 + [{"A": "2"}]
+    assert env_disagreements(many, ("A",)) == ["A: '1' on ranks 0, 1, 2, 3, 4, 5, 6, 7 and 2 more; '2' on ranks 10"]
+
+
+def _env_case(rank, world, env):
+    with _environment({name: None for name in AGREED_LAUNCH_ENV} | env[rank]):
+        try:
+            return check_launch_env()
+        except ValueError as error:
+            return ("ValueError", str(error))
+
+
+def test_launch_env_that_agrees_passes_and_returns_each_ranks_values():
+    env = [{"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}] * 4
+    results = _pool(4).run(_env_case, env)
+    assert all(r == {**{n: None for n in AGREED_LAUNCH_ENV}, **env[0]} for r in results), results
+
+
+def test_a_node_launched_with_a_different_environment_raises_on_every_rank():
+    # the second "node" (ranks 2, 3) was started without NCCL_NVLS_ENABLE=0 and with another NVSHMEM heap size
+    env = [{"NCCL_NVLS_ENABLE": "0", "NVSHMEM_SYMMETRIC_SIZE": "2G"}] * 2 + [{"NVSHMEM_SYMMETRIC_SIZE": "1G"}] * 2
+    _every_rank_raised(_pool(4).run(_env_case, env),
+                       r"(?s)NCCL_NVLS_ENABLE: '0' on ranks 0, 1; unset on ranks 2, 3.*"
+                       r"NVSHMEM_SYMMETRIC_SIZE: '2G' on ranks 0, 1; '1G' on ranks 2, 3")
+
+
+def test_launch_env_without_a_process_group_is_this_process():
+    with _environment({"NCCL_NVLS_ENABLE": "0"}):
+        assert check_launch_env(names=("NCCL_NVLS_ENABLE",)) == {"NCCL_NVLS_ENABLE": "0"}
+    with pytest.raises(ValueError, match="names must be environment variable names"):
+        check_launch_env(names=("",))
 
 
 # --- bytes across node boundaries ----------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ moves data:
   (one machine pretending to be several nodes), else from the launcher (``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` as
   torchrun sets them), else from the host names of the ranks. One exchange over the group; every rank raises the
   same ValueError for a layout that cannot work, before anything else runs.
+- `check_launch_env(group)`: every rank sees the same values of the NCCL / NVSHMEM / multicast variables that must
+  agree across a job (`AGREED_LAUNCH_ENV`); one exchange, the same ValueError on every rank naming what differs.
 - `count_node_bytes` / `node_bytes_from_topk`: the bytes one rank's tokens move across node boundaries and inside
   nodes, on the hierarchical path and on a flat all-to-all (the byte count behind a dispatch's report and behind
   `smsplit.ep_projection`).
@@ -213,6 +215,62 @@ def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | No
     infos: list = [None] * size
     dist.all_gather_object(infos, mine, group=group)
     return _decide(infos, size)
+
+
+# Variables NCCL, torch's symmetric memory and NVSHMEM read in each process, whose values must be the same in every
+# process of a job: ranks that disagree on NCCL's algorithms, protocols or network, on NVLink multicast, or on
+# NVSHMEM's transport or heap size fail inside the first collective or allocation, as a hang or a crash that names
+# none of them. A node launched without an `export` is the usual cause. Interface and NIC names (NCCL_SOCKET_IFNAME,
+# NCCL_IB_HCA, NVSHMEM_HCA_LIST) may rightly differ between machines and are not checked.
+AGREED_LAUNCH_ENV = ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE", "NCCL_NET",
+                     "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NVSHMEM_REMOTE_TRANSPORT",
+                     "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_SYMMETRIC_SIZE")
+
+
+def env_disagreements(values: list[dict], names=AGREED_LAUNCH_ENV) -> list[str]:
+    """For each variable of ``names`` whose value differs between the ranks' ``values`` (rank ``r``'s
+    ``{name: value or None}``, None: unset), a line naming it and which ranks hold which value."""
+    lines = []
+    for name in names:
+        by_value: dict = {}
+        for rank, env in enumerate(values):
+            by_value.setdefault(env.get(name), []).append(rank)
+        if len(by_value) > 1:
+            groups = "; ".join(f"{'unset' if v is None else repr(v)} on ranks {_ranks_text(r)}"
+                               for v, r in sorted(by_value.items(), key=lambda item: item[1][0]))
+            lines.append(f"{name}: {groups}")
+    return lines
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def check_launch_env(group: dist.ProcessGroup | None = None, names=AGREED_LAUNCH_ENV) -> dict:
+    """This process's values of ``names`` (None: unset), after checking that every rank of ``group`` (the default
+    group when None) sees the same ones.
+
+    A collective over ``group`` (one all-gather of a few strings): every rank must call it, before the first NCCL
+    collective or symmetric-memory allocation that the variables steer. Every rank raises the same ValueError,
+    naming each variable that differs and the ranks on each side, so that a node launched with a different
+    environment is an error at start-up, not a hang in the first dispatch. Without an initialized process group
+    there is nothing to compare."""
+    names = tuple(names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"names must be environment variable names, got {names!r}")
+    mine = {name: os.environ.get(name) for name in names}
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("check_launch_env: a group was passed but torch.distributed is not initialized")
+        return mine
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, mine, group=group)
+    if lines := env_disagreements(values, names):
+        raise ValueError("launch environment: the ranks were started with different values of variables that "
+                         "every process must share (export them the same way on every node):\n  "
+                         + "\n  ".join(lines))
+    return mine
 
 
 def token_bytes(hidden: int, fp8: bool, scale_block: int = 128, scale_bytes: int = 4, value_bytes: int = 2) -> int:
