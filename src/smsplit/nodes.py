@@ -247,6 +247,30 @@ def _ranks_text(ranks: list[int]) -> str:
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
+def _value_word(value: str | None) -> int:
+    """A 62-bit hash of an environment value (-1: unset), for a comparison through int64 header words."""
+    if value is None:
+        return -1
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def launch_env_words(names=AGREED_LAUNCH_ENV) -> list[int]:
+    """This process's values of ``names`` as hashes (`check_launch_env_words` compares every rank's)."""
+    return [_value_word(os.environ.get(name)) for name in names]
+
+
+def check_launch_env_words(rows: list[list[int]], names=AGREED_LAUNCH_ENV) -> None:
+    """`check_launch_env` from every rank's `launch_env_words` (``rows``, in group order), gathered by a bounded
+    exchange such as `smsplit.ep.Buffer`'s: the same ValueError on every rank, naming each variable that differs
+    and which ranks share a value (the values themselves did not travel)."""
+    values = [{name: (None if word == -1 else f"value #{word % 9973}") for name, word in zip(names, row)}
+              for row in rows]
+    if lines := env_disagreements(values, names):
+        raise ValueError("launch environment: the ranks were started with different values of variables that "
+                         "every process must share (export them the same way on every node):\n  "
+                         + "\n  ".join(lines))
+
+
 def check_launch_env(group: dist.ProcessGroup | None = None, names=AGREED_LAUNCH_ENV) -> dict:
     """This process's values of ``names`` (None: unset), after checking that every rank of ``group`` (the default
     group when None) sees the same ones.

@@ -19,7 +19,7 @@ from .event import EventOverlap
 from .header import (H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH, OP_INIT, OP_NAMES, aborts, agree, agree_init,
                      fill_combine, fill_dispatch, init_header, new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
-from ..nodes import NodeLayout, layout_from_rows, node_row
+from ..nodes import NODE_ROW_WORDS, NodeLayout, check_launch_env_words, launch_env_words, layout_from_rows, node_row
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
 from .transport import EPArgumentError, EPError, Environment, on_every_rank, reject
@@ -165,14 +165,21 @@ class Buffer:
 
     def _agree_nodes(self, ranks_per_node: Optional[int]) -> NodeLayout:
         """The node layout (`smsplit.nodes`), from every rank's facts gathered by a header exchange (bounded by
-        `timeout_s`, as every wait): the same on every rank, or the same `EPArgumentError` naming `ranks_per_node`
-        on every rank."""
-        row = torch.tensor([node_row(ranks_per_node, dist.get_global_rank(self.group, self.rank))], dtype=torch.int64)
-        rows = self.transport.exchange_headers("init", "the node layout", row.expand(self.group_size, -1))
+        `timeout_s`, as every wait): the same on every rank, or the same `EPArgumentError` on every rank, naming
+        `ranks_per_node` for a layout that cannot work, `group` for ranks started with different values of the
+        variables of `smsplit.nodes.AGREED_LAUNCH_ENV`."""
+        row = torch.tensor([node_row(ranks_per_node, dist.get_global_rank(self.group, self.rank))
+                            + launch_env_words()], dtype=torch.int64)
+        rows = self.transport.exchange_headers("init", "the node layout", row.expand(self.group_size, -1)).tolist()
         try:
-            return layout_from_rows(rows.tolist())
+            nodes = layout_from_rows([r[:NODE_ROW_WORDS] for r in rows])
         except ValueError as e:
             raise on_every_rank(reject("ranks_per_node", f"{e}")) from None
+        try:  # (variables that steer NCCL and NVSHMEM: a node started with other values would hang, not fail)
+            check_launch_env_words([r[NODE_ROW_WORDS:] for r in rows])
+        except ValueError as e:
+            raise on_every_rank(reject("group", f"{e}")) from None
+        return nodes
 
     def _environment(self, one_node: bool) -> Environment:
         """What this buffer runs on, for the registry (the same on every rank)."""
