@@ -157,11 +157,13 @@ def poison(tensors):
 # -- one case on every rank ---------------------------------------------------------------------------------------
 
 def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, routing, mode, num_worst_tokens,
-               chunk_tokens, with_node_counts, log=False, against_reference=False):
+               chunk_tokens, with_node_counts, log=False, against_reference=False, staged=False):
     """Dispatch (uncached, then cached with new values), combine, on a fresh transport pair; returns this rank's
     traffic: (dispatch internode rows, intranode rows, combine internode rows, intranode rows) and, with ``log``, the
     message log."""
     reference, hier = transports(group, device, P, chunk_tokens)
+    if staged:  # the path of CUDA tensors on a gloo group (received into host buffers, then copied), on the host
+        hier._staged = True
     layout = hier.nodes
     if log:
         hier.message_log = []
@@ -211,7 +213,9 @@ def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, rout
         assert traffic.max_nodes_crossed <= 2
     dispatch_counts = (traffic.internode_rows, traffic.intranode_rows, want.intranode_bytes // row_bytes)
 
-    if against_reference:  # the flat reference transport, same inputs, a handle of its own: the same everything
+    # the flat reference transport on the same inputs, with a handle of its own: the same everything (on the host:
+    # it sends its tensors through the group as they are)
+    if against_reference and device.type == "cpu":
         flat_handle, _ = make_handle(rank, R, inputs, num_experts, num_worst_tokens, device)
         flat_values, flat_scales = values, scales
         if mode == "fp8":
@@ -253,35 +257,37 @@ def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, rout
     none_x, only_w = hier.combine(handle, None, w_back, num_sms=1)
     assert none_x is None and torch.equal(only_w.cpu(), want_w)
 
-    # the reference transport reads this layout: its combine (a flat fp32 sum) and a cached dispatch
-    flat_x, _ = reference.combine(handle, x_back, w_back, num_sms=1)
-    assert torch.equal(flat_x.cpu(), flat_combine(own_inputs, rank, R, num_experts, output_of))
+    # the reference transport reads this layout: its combine (a flat fp32 sum) and a cached dispatch (it sends
+    # CPU tensors on gloo: not with CUDA tensors on a gloo group, which this transport stages through the host)
+    on_host = device.type == "cpu"
+    if on_host:
+        flat_x, _ = reference.combine(handle, x_back, w_back, num_sms=1)
+        assert torch.equal(flat_x.cpu(), flat_combine(own_inputs, rank, R, num_experts, output_of))
 
     # cached dispatch with new values on the same layout, outputs of the first round poisoned
     poison([got.values, got.scales, got.topk_idx, got.topk_weights, combined, combined_w, x_back, w_back])
-    x_new = (torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1000 + rank)) * 3).to(torch.bfloat16)
-    new_inputs = [(x_new if r == rank else xi, ti, wi) for r, (xi, ti, wi) in enumerate(inputs)]
+    new_inputs = [((torch.randn(xi.shape, generator=torch.Generator().manual_seed(seed + 1000 + r)) * 3)
+                   .to(torch.bfloat16), ti, wi) for r, (xi, ti, wi) in enumerate(inputs)]
+    x_new = new_inputs[rank][0]
     cached = hier.dispatch(handle, Tokens(x_new.to(device), None, None, None, quantize=(mode == "fp8")), num_sms=1)
     assert cached.topk_idx is None and cached.topk_weights is None
     assert hier.last_traffic.row_bytes == expected_row_bytes("fp8" if mode == "fp8" else "bf16", 0, cached=True)
-    # (every rank's new values: each rank knows only its own, so the rows from rank s are checked by count and
-    # against the reference transport's cached dispatch of the same values on the same handle)
-    flat_cached = reference.dispatch(handle, Tokens(*((t.to(device) for t in oracles.quantize_1x128(x_new))
-                                                      if mode == "fp8" else (x_new.to(device), None))),
-                                     num_sms=1)
+    new_ref = expected_dispatch(new_inputs, rank, R, num_experts)[0]
     if mode == "fp8":
-        assert torch.equal(cached.values.view(torch.uint8), flat_cached.values.view(torch.uint8))
-        assert torch.equal(cached.scales, flat_cached.scales)
+        new_fp8, new_scales = oracles.quantize_1x128(new_ref)
+        assert torch.equal(cached.values[:n_recv].cpu().view(torch.uint8), new_fp8.view(torch.uint8))
+        assert torch.equal(cached.scales[:n_recv].cpu(), new_scales)
     else:
-        assert torch.equal(cached.values, flat_cached.values)
-    own_rows = [i for i, (s, _) in enumerate(ref_src) if s == rank]
-    own_tokens = [t for s, t in ref_src if s == rank]
-    new_ref = new_inputs[rank][0][own_tokens]
-    if mode == "fp8":
-        assert torch.equal(cached.values[own_rows].cpu().view(torch.uint8),
-                           oracles.quantize_1x128(new_ref)[0].view(torch.uint8))
-    else:
-        assert torch.equal(cached.values[own_rows].cpu(), new_ref)
+        assert torch.equal(cached.values[:n_recv].cpu(), new_ref)
+    if on_host:
+        flat_cached = reference.dispatch(handle, Tokens(*((t.to(device) for t in oracles.quantize_1x128(x_new))
+                                                          if mode == "fp8" else (x_new.to(device), None))),
+                                         num_sms=1)
+        if mode == "fp8":
+            assert torch.equal(cached.values.view(torch.uint8), flat_cached.values.view(torch.uint8))
+            assert torch.equal(cached.scales, flat_cached.scales)
+        else:
+            assert torch.equal(cached.values, flat_cached.values)
     assert not cached.values[n_recv:].cpu().view(torch.uint8).any()
     return dispatch_counts + combine_counts + ((hier.message_log,) if log else ())
 
@@ -317,7 +323,7 @@ def specs_for(P, R, seed):
         num_tokens[i % R] = 0  # a rank that sends nothing
         out.append(dict(P=P, seed=seed + i, num_tokens=num_tokens, num_experts=num_experts, k=min(k, num_experts),
                         routing=routing, mode=mode, num_worst_tokens=worst, chunk_tokens=chunk,
-                        with_node_counts=node_counts, against_reference=(i == 0)))
+                        with_node_counts=node_counts, against_reference=(i == 0), staged=(i == 2)))
     return out
 
 
@@ -468,9 +474,9 @@ def test_the_registry_names_the_hierarchical_transport_last():
 
 def gpu_ranks(rank, R, group, P):
     device = torch.device("cuda", 0)
-    out = []
-    for spec in specs_for(P, R, seed=77)[:4]:
-        out.append(check_case(rank, R, group, device, **spec))
+    out = [check_case(rank, R, group, device, **spec) for spec in specs_for(P, R, seed=77)[:4]]
+    hier = transports(group, device, P, chunk_tokens=4)[1]
+    assert hier._staged  # (CUDA tensors on a gloo group: every message copied through the host)
     return out
 
 
