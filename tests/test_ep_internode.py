@@ -289,6 +289,10 @@ def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, rout
         else:
             assert torch.equal(cached.values, flat_cached.values)
     assert not cached.values[n_recv:].cpu().view(torch.uint8).any()
+    # weights only (the backward of a combine carries them back along the layout)
+    weights_only = hier.dispatch(handle, Tokens(None, None, None, w.to(device)), num_sms=1)
+    assert weights_only.values is None and torch.equal(weights_only.topk_weights[:n_recv].cpu(), ref_w)
+    assert not weights_only.topk_weights[n_recv:].any()
     return dispatch_counts + combine_counts + ((hier.message_log,) if log else ())
 
 

@@ -49,16 +49,18 @@ back to the GPU (staged through the host). On an NCCL group the messages go from
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from ..fp8 import quantize_activations
-from ..nodes import NodeLayout
 from .reference import FLOAT_DTYPES, ReferenceTransport, _inner_numel, _reference_bytes, pack_rows, unpack_column
 from .rows import SCALE_BLOCK, rank_prefix_matrix_from_counts, to_local_expert_ids
 from .transport import Capabilities, EPError, Received, Tokens, Transport
+
+if TYPE_CHECKING:  # (smsplit.nodes imports smsplit.ep.layout: imported where needed, after the package)
+    from ..nodes import NodeLayout
 
 DEFAULT_CHUNK_TOKENS = 128  # DeepEP's default num_max_rdma_chunked_send_tokens is of this order
 
@@ -232,8 +234,10 @@ class HierarchicalTransport(Transport):
                             needs_buffer=False, hidden_multiple=1, max_topk=0, max_ranks=0,
                             buffer_bytes=_reference_bytes)
 
-    def __init__(self, reference: ReferenceTransport, nodes: Union[NodeLayout, int],
+    def __init__(self, reference: ReferenceTransport, nodes: Union["NodeLayout", int],
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        from ..nodes import NodeLayout
+
         if not isinstance(reference, ReferenceTransport):
             raise ValueError(f"reference: expected the buffer's ReferenceTransport, got {type(reference).__name__}")
         super().__init__(reference.group, reference.device, reference.timeout_s)
