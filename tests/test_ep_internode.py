@@ -385,6 +385,16 @@ def test_the_message_log_follows_the_path():
                     assert max(forwards) < landed[(source, chunk + 1)]
                     saw_pipelining = True
         assert saw_pipelining
+        # between any pair, the receiver posts its receives in the order the sender posts the sends (NCCL matches
+        # point-to-point messages in order; gloo's tags would hide a swap of two messages of one phase and stage)
+        logs = [results[rank][0][-1] for rank in range(R)]
+        for a in range(R):
+            for b in range(R):
+                sent = [(m.op, m.phase, m.chunk, m.source, m.bytes) for m in logs[a]
+                        if m.kind == "send" and m.event == "posted" and m.peer == b]
+                received = [(m.op, m.phase, m.chunk, m.source, m.bytes) for m in logs[b]
+                            if m.kind == "recv" and m.event == "posted" and m.peer == a]
+                assert sent == received, (a, b)
 
 
 class Hung(Exception):
