@@ -31,7 +31,7 @@ HIDDEN = 256
 def make_inputs(seed, R, P, num_tokens, num_experts, k, routing, drop=0.15):
     """Per-rank (x bf16, topk_idx, topk_weights). ``routing``: "unrestricted"; "limited" (each token's experts on at
     most 2 nodes, chosen per token); "empty_node" (no expert on the last node); "one_node" (every expert on node
-    1)."""
+    1, or on node 0 where it is the only one)."""
     g = torch.Generator().manual_seed(seed)
     N = R // P
     per_node = num_experts // N
@@ -47,7 +47,7 @@ def make_inputs(seed, R, P, num_tokens, num_experts, k, routing, drop=0.15):
             elif routing == "empty_node":
                 nodes = torch.rand(n, N - 1, generator=g).argsort(dim=1)[:, :min(2, N - 1)]
             else:  # one_node
-                nodes = torch.ones(n, 1, dtype=torch.int64)
+                nodes = torch.full((n, 1), min(1, N - 1), dtype=torch.int64)
             allowed = (nodes[:, :, None] * per_node + torch.arange(per_node)).flatten(1)  # [n, nodes * per_node]
             pick = torch.rand(allowed.shape, generator=g).argsort(dim=1)[:, :k]
             choices = allowed.gather(1, pick)
@@ -173,6 +173,9 @@ def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, rout
     ref_x, ref_idx, ref_w, ref_src = expected_dispatch(inputs, rank, R, num_experts)
     n_recv = ref_x.size(0)
     rows = num_worst_tokens or n_recv
+    N = R // P
+    if routing == "empty_node" and rank // P == N - 1 or routing == "one_node" and rank // P != min(1, N - 1):
+        assert n_recv == 0  # (the case is what it says: this node receives nothing)
     if mode == "e4m3":
         values, scales = (t.to(device) for t in oracles.quantize_1x128(x))
     else:
@@ -303,12 +306,18 @@ def case_many(rank, R, specs):
 
 def check_totals(specs, results, R):
     """Summed over the ranks: the forwarded rows and the returned rows are the oracle's intranode rows, and the
-    combine's network rows (one per token and node) are the dispatch's."""
+    combine's network rows (one per token and node) are the dispatch's. Some rows crossed the network and some were
+    forwarded where the layout has both legs (so that the checks checked something)."""
+    moved = [0, 0]
     for i, spec in enumerate(specs):
         per_rank = [results[r][i] for r in range(R)]
         d_inter, d_intra, want_intra, c_inter, c_intra = (sum(v[j] for v in per_rank) for j in range(5))
         assert d_intra == want_intra == c_intra, spec
         assert c_inter == d_inter, spec
+        moved[0] += d_inter
+        moved[1] += d_intra
+    P = specs[0]["P"]
+    assert (moved[0] > 0) == (P < R) and (moved[1] > 0) == (P > 1), moved
 
 
 def specs_for(P, R, seed):
@@ -338,6 +347,22 @@ def test_dispatch_and_combine_match_the_oracle(R, P):
     specs = specs_for(P, R, seed=10 * R + P)
     results = gloo_pool(R).run(case_many, specs)
     check_totals(specs, results, R)
+
+
+@pytest.mark.parametrize("P", [1, 4], ids=["4x1", "1x4"])
+def test_every_rank_a_node_and_one_node(P):
+    """Each rank its own node (every copy crosses the network, none is forwarded: the issue's measurement layout on
+    a machine of one GPU per emulated node), and one node of four (no network leg)."""
+    R = 4
+    specs = [spec for spec in specs_for(P, R, seed=90 + P) if spec["routing"] != "empty_node" or P < R][:4]
+    results = gloo_pool(R).run(case_many, specs)
+    check_totals(specs, results, R)
+    for per_rank in results:
+        for d_inter, d_intra, _, c_inter, c_intra in per_rank:
+            if P == 1:
+                assert d_intra == c_intra == 0
+            else:
+                assert d_inter == c_inter == 0
 
 
 def test_the_message_log_follows_the_path():
