@@ -477,6 +477,43 @@ def test_a_missing_peer_is_named_with_its_node_and_phase_at_timeout_s():
         results[0][1], results[0][1]
 
 
+def case_aborting_peer(rank, R, P, lost, timeout_s):
+    """Rank `lost` fails on its own (`ReferenceTransport.abort`, as `Buffer` does for an error only it raised)
+    instead of dispatching; the others, waiting in the hierarchical dispatch, raise `EPAbortError` at once through
+    the reference transport's shared memory. Returns (exception type, message, peer, seconds) or None for `lost`."""
+    from smsplit.ep import EPAbortError
+
+    group = dist.new_group(list(range(R)), backend="gloo")
+    reference, hier = transports(group, torch.device("cpu"), P, chunk_tokens=4, timeout_s=timeout_s)
+    reference.exchange_headers("dispatch", "counts", torch.zeros(R, 2, dtype=torch.int64))  # (sets up the file)
+    assert reference.one_node
+    if rank == lost:
+        time.sleep(0.5)
+        reference.abort(lost, "boom: an error of this rank alone", inside_call=True)
+        return None
+    num_experts = R * 2
+    inputs = make_inputs(4, R, P, [6] * R, num_experts, num_experts, "unrestricted", drop=0.0)
+    handle, counts = make_handle(rank, R, inputs, num_experts, 0, torch.device("cpu"))
+    x, topk, w = inputs[rank]
+    start = time.monotonic()
+    with pytest.raises(EPAbortError) as error:
+        hier.dispatch(handle, Tokens(x, None, topk, w, num_local_experts=2, counts=counts), num_sms=1)
+    return type(error.value).__name__, str(error.value), error.value.peer, time.monotonic() - start
+
+
+def test_an_aborting_peer_is_named_at_once():
+    R, P, lost, timeout_s = 4, 2, 2, 30.0
+    results = gloo_pool(R).run(case_aborting_peer, P, lost, timeout_s, timeout_s=timeout_s + 30)
+    for rank in range(R):
+        if rank == lost:
+            assert results[rank] is None
+            continue
+        kind, message, peer, elapsed = results[rank]
+        assert peer == lost and "rank 2 failed: boom: an error of this rank alone" in message, message
+        assert message.startswith("dispatch: "), message
+        assert elapsed < 5.0, (rank, elapsed)
+
+
 def case_bad_layouts(rank, R):
     reference = ReferenceTransport(dist.group.WORLD, torch.device("cpu"), 5.0)
     out = []
