@@ -181,6 +181,7 @@ def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, rout
     else:
         values, scales = x.to(device), None
     node_counts = node_counts_of(inputs, R, P, num_experts) if with_node_counts else None
+    assert hier.tokens_per_node(handle.is_token_in_rank) == node_counts_of(inputs, R, P, num_experts)[rank]
     tokens = Tokens(values, scales, topk.to(device), w.to(device), quantize=(mode == "fp8"),
                     num_local_experts=num_experts // R, counts=counts, node_counts=node_counts)
     got = hier.dispatch(handle, tokens, num_sms=1)

@@ -265,6 +265,13 @@ class HierarchicalTransport(Transport):
         self._traffic: Optional[Traffic] = None
         self._crossings: Optional[torch.Tensor] = None
 
+    def tokens_per_node(self, is_token_in_rank: torch.Tensor) -> List[int]:
+        """This rank's row of `Tokens.node_counts`: how many of its tokens (``is_token_in_rank``, ``[tokens, R]``)
+        go to each node (to any of its ranks). `Buffer` can put these N numbers into its header, so that an
+        uncached dispatch skips the first notify round."""
+        mask = is_token_in_rank.to(torch.bool)
+        return mask.view(mask.size(0), self.nodes.num_nodes, self.nodes.ranks_per_node).any(-1).sum(0).tolist()
+
     # -- messaging ----------------------------------------------------------------------------------------------
 
     def _who(self, rank: int) -> str:
