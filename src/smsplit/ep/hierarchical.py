@@ -262,8 +262,7 @@ class HierarchicalTransport(Transport):
         self.message_log: Optional[List[Message]] = None
         # gloo moves host memory: CUDA tensors on a gloo group are staged through the host
         self._staged = self.backend == "gloo" and torch.device(self.device).type != "cpu"
-        self._traffic: Optional[Traffic] = None
-        self._crossings: Optional[torch.Tensor] = None
+        self._traffic: Optional[Traffic] = None  # the call's, while it runs
 
     def tokens_per_node(self, is_token_in_rank: torch.Tensor) -> List[int]:
         """This rank's row of `Tokens.node_counts`: how many of its tokens (``is_token_in_rank``, ``[tokens, R]``)
@@ -277,26 +276,22 @@ class HierarchicalTransport(Transport):
     def _who(self, rank: int) -> str:
         return f"rank {rank} (node {rank // self.nodes.ranks_per_node})"
 
-    def _describe(self, o: _Op, op: str) -> str:
+    def _describe(self, o: _Op) -> str:
         """The phase of a wait for ``o`` (the peer, with its node, follows it in the error)."""
         if o.phase in _NOTIFY:
             what = {"counts": "the token counts per node", "masks": "the local-rank masks of the tokens",
                     "chunk counts": "the row counts per chunk"}[o.phase]
-            return f"{o.phase}: waiting for {what} from" if o.kind == "recv" else f"{o.phase}: waiting to deliver " \
-                                                                                   f"{what} to"
-        if o.source == o.peer:
-            whose = "its tokens"
-        elif o.source == self.rank:
-            whose = "this rank's tokens"
         else:
-            whose = f"the tokens of {self._who(o.source)}"
-        what = f"chunk {o.chunk} of {whose}"
-        if o.phase == "return":
-            what = f"the expert outputs of {what}"
-        elif o.phase == "sums":
-            what = f"the node sums of {what}"
-        return f"{o.phase}: waiting for {what} from" if o.kind == "recv" else f"{o.phase}: waiting to deliver " \
-                                                                               f"{what} to"
+            if o.source == o.peer:
+                whose = "its tokens"
+            elif o.source == self.rank:
+                whose = "this rank's tokens"
+            else:
+                whose = f"the tokens of {self._who(o.source)}"
+            what = {"return": "the expert outputs of ", "sums": "the node sums of "}.get(o.phase, "")
+            what += f"chunk {o.chunk} of {whose}"
+        return f"{o.phase}: waiting for {what} from" if o.kind == "recv" else \
+            f"{o.phase}: waiting to deliver {what} to"
 
     def _log(self, op: str, o: _Op, event: str) -> None:
         if self.message_log is not None:
@@ -350,7 +345,7 @@ class HierarchicalTransport(Transport):
             def wait_all():
                 for i in order:
                     o = ops[i]
-                    ref._wait(works[i], op, self._describe(o, op), o.peer, deadline, self._who(o.peer))
+                    ref._wait(works[i], op, self._describe(o), o.peer, deadline, self._who(o.peer))
                     self._log(op, o, "completed")
 
             if self.backend == "gloo":
@@ -505,7 +500,7 @@ class HierarchicalTransport(Transport):
         row_bytes = sum(_widths(likes))
         self._traffic.row_bytes = row_bytes
         recv = torch.zeros(handle.num_recv_rows, row_bytes, dtype=torch.uint8, device=device)
-        self._crossings = torch.zeros(handle.num_tokens, dtype=torch.int64, device=device)
+        crossings = torch.zeros(handle.num_tokens, dtype=torch.int64, device=device)  # per token: network lists
 
         def pack(idx: torch.Tensor) -> torch.Tensor:
             """The rows of tokens ``idx``, packed (and quantized) as one chunk: ``[len(idx), row_bytes]``."""
@@ -530,7 +525,7 @@ class HierarchicalTransport(Transport):
                 if m == a or stage >= _chunks(to_node[m], C):
                     continue
                 idx = state.chunk(state.send_lists[m], stage)
-                self._crossings.index_add_(0, idx, torch.ones_like(idx))
+                crossings.index_add_(0, idx, torch.ones_like(idx))
                 ops.append(_Op("send", m * P + l, "network", stage, me, int(idx.numel()), pack(idx).view(-1)))
             arriving: Dict[int, torch.Tensor] = {}
             for n in range(N):
@@ -572,7 +567,7 @@ class HierarchicalTransport(Transport):
             self._stage(op, stage, ops)
             landed = arriving
 
-        self._traffic.max_nodes_crossed = int(self._crossings.max()) if handle.num_tokens else 0
+        self._traffic.max_nodes_crossed = int(crossings.max()) if handle.num_tokens else 0
         self.last_traffic, self._traffic = self._traffic, None
         got = iter(_unpack(recv, likes))
         if quantize_first:
