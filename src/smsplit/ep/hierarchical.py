@@ -327,12 +327,13 @@ class HierarchicalTransport(Transport):
                 o.wire = o.tensor.contiguous()
             p2p.append(dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.wire, self.global_ranks[o.peer],
                                   self.group, tag=(_PHASES[o.phase] << 16) | (stage & 0xFFFF)))
+        phases = " and ".join(dict.fromkeys(o.phase for o in ops))
         deadline = time.monotonic() + self.timeout_s
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as error:  # (gloo: a peer's connection closed, e.g. after it gave up)
             peers = sorted({o.peer for o in ops})
-            message = f"{op}: posting {ops[0].phase} messages to and from ranks {peers}"
+            message = f"{op}: posting {phases} messages to and from ranks {peers}"
             ref.failure = ref.failure or message
             raise EPError(f"{message} failed: {error}") from error
         for o in ops:
@@ -349,14 +350,14 @@ class HierarchicalTransport(Transport):
                     self._log(op, o, "completed")
 
             if self.backend == "gloo":
-                ref._wait_watched(wait_all, op, f"waiting for {ops[0].phase} messages")
+                ref._wait_watched(wait_all, op, f"waiting for {phases} messages")
             else:
                 wait_all()
         else:  # a coalesced backend (NCCL) returns one work for the whole batch
             peers = sorted({o.peer for o in ops})
             for work in works:
-                ref._wait(work, op, f"{ops[0].phase}: waiting for stage {stage} with ranks {peers}, e.g.", peers[0],
-                          deadline, self._who(peers[0]))
+                ref._wait(work, op, f"{phases}: waiting for the messages of stage {stage} with ranks {peers}, e.g.",
+                          peers[0], deadline, self._who(peers[0]))
             for o in ops:
                 self._log(op, o, "completed")
         if self._staged:
