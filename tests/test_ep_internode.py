@@ -156,8 +156,39 @@ def poison(tensors):
 
 # -- one case on every rank ---------------------------------------------------------------------------------------
 
+class Joined:
+    """One work for a whole batch, as NCCL's coalesced `batch_isend_irecv` returns it."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for work in self.works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self.works)
+
+
 def check_case(rank, R, group, device, P, seed, num_tokens, num_experts, k, routing, mode, num_worst_tokens,
-               chunk_tokens, with_node_counts, log=False, against_reference=False, staged=False):
+               chunk_tokens, with_node_counts, log=False, against_reference=False, staged=False, coalesced=False):
+    """`check_case_on` with ``coalesced``: `batch_isend_irecv` returning one work per batch of several messages,
+    as on NCCL (the transports' waits for such a work), with gloo's messages."""
+    if not coalesced:
+        return check_case_on(rank, R, group, device, P, seed, num_tokens, num_experts, k, routing, mode,
+                             num_worst_tokens, chunk_tokens, with_node_counts, log, against_reference, staged)
+    original = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [Joined(original(ops))] if len(ops) > 1 else original(ops)
+    try:
+        return check_case_on(rank, R, group, device, P, seed, num_tokens, num_experts, k, routing, mode,
+                             num_worst_tokens, chunk_tokens, with_node_counts, log, against_reference, staged)
+    finally:
+        dist.batch_isend_irecv = original
+
+
+def check_case_on(rank, R, group, device, P, seed, num_tokens, num_experts, k, routing, mode, num_worst_tokens,
+                  chunk_tokens, with_node_counts, log=False, against_reference=False, staged=False):
     """Dispatch (uncached, then cached with new values), combine, on a fresh transport pair; returns this rank's
     traffic: (dispatch internode rows, intranode rows, combine internode rows, intranode rows) and, with ``log``, the
     message log."""
@@ -337,7 +368,8 @@ def specs_for(P, R, seed):
         num_tokens[i % R] = 0  # a rank that sends nothing
         out.append(dict(P=P, seed=seed + i, num_tokens=num_tokens, num_experts=num_experts, k=min(k, num_experts),
                         routing=routing, mode=mode, num_worst_tokens=worst, chunk_tokens=chunk,
-                        with_node_counts=node_counts, against_reference=(i == 0), staged=(i == 2)))
+                        with_node_counts=node_counts, against_reference=(i == 0), staged=(i == 2),
+                        coalesced=(i == 1)))
     return out
 
 
