@@ -31,7 +31,8 @@ def combine(layout_of, dtype=BF16, **kw):
 
 def test_the_registry_lists_every_transport_fastest_first():
     assert registry.ORDER == ("nvlink_copy_engine", "nvlink", "copy_engine", "reference")
-    assert set(registry.BACKENDS) == set(registry.ORDER) | {"auto"}
+    assert set(registry.BACKENDS) == set(registry.ORDER) | set(registry.EXPLICIT_ONLY) | {"auto"}
+    assert registry.BACKENDS[-1] == "hierarchical"  # (a name's index is its code in the header: new names go last)
     assert registry.DEVICE_BACKENDS == ("nvlink", "copy_engine", "nvlink_copy_engine")
 
 

@@ -197,19 +197,22 @@ class ReferenceTransport(Transport):
         if raised:
             raise raised[0]
 
-    def _wait(self, work, op: str, phase: str, peer: int, deadline: float) -> None:
+    def _wait(self, work, op: str, phase: str, peer: int, deadline: float, who: Optional[str] = None) -> None:
+        """Wait for ``work`` until ``deadline``: `EPTimeoutError` (``"{op}: {phase} {who}"``, ``who`` by default
+        ``"rank {peer}"``) past it, `EPError` if it failed; either makes this transport unusable."""
         remaining = deadline - time.monotonic()
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
             else:
-                watched = ((lambda: self._watch(op, f"{phase} rank {peer}") or work.is_completed()) if self._shared
+                watched = ((lambda: self._watch(op, f"{phase} {who or f'rank {peer}'}") or work.is_completed())
+                           if self._shared
                            else work.is_completed)
                 if not poll_until(watched, deadline):
                     raise TimeoutError
                 work.wait()
         except (RuntimeError, TimeoutError) as error:
-            message = f"{op}: {phase} rank {peer}"
+            message = f"{op}: {phase} {who or f'rank {peer}'}"
             timed_out = isinstance(error, TimeoutError) or "timed out" in str(error).lower() \
                 or time.monotonic() >= deadline
             self.failure = self.failure or message  # (a wait left behind by an abort ends later: the abort's kept)

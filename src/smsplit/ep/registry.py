@@ -14,16 +14,20 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .device import CopyEngine, NvlinkCopyEngine, NvlinkSmPush
+from .hierarchical import HierarchicalTransport
 from .reference import ReferenceTransport
 from .transport import Capabilities, Environment, EPArgumentError, Move, Transport, reject
 
 AUTO = "auto"
-_CLASSES = {cls.name: cls for cls in (NvlinkCopyEngine, NvlinkSmPush, CopyEngine, ReferenceTransport)}
+_CLASSES = {cls.name: cls for cls in (NvlinkCopyEngine, NvlinkSmPush, CopyEngine, ReferenceTransport,
+                                      HierarchicalTransport)}
 ORDER = ("nvlink_copy_engine", "nvlink", "copy_engine", "reference")  # fastest first (see the module docstring)
-# every name `Buffer(backend=)` takes; a name's index is its code in the constructor's header
-BACKENDS = (AUTO, "reference", "nvlink", "copy_engine", "nvlink_copy_engine")
+# every name `Buffer(backend=)` takes; a name's index is its code in the constructor's header (new names go last)
+BACKENDS = (AUTO, "reference", "nvlink", "copy_engine", "nvlink_copy_engine", "hierarchical")
 DEVICE_BACKENDS = tuple(name for name in BACKENDS if name in _CLASSES and _CLASSES[name].capabilities().needs_cuda)
-assert set(ORDER) == set(_CLASSES) and ORDER[-1] == ReferenceTransport.name
+# the hierarchical transport needs a node layout, which "auto" does not yet pass on: named explicitly only
+EXPLICIT_ONLY = ("hierarchical",)
+assert set(ORDER) | set(EXPLICIT_ONLY) == set(_CLASSES) and ORDER[-1] == ReferenceTransport.name
 REFERENCE = ReferenceTransport.name  # moves anything, on any device: the last resort of every choice
 
 
@@ -48,8 +52,19 @@ def candidates(backend: str) -> Tuple[str, ...]:
     return ORDER if backend == AUTO else (backend,)
 
 
-def make(name: str, group, device: torch.device, timeout_s: float, num_nvl_bytes: int) -> Transport:
-    """A device transport of ``name`` (the reference transport is the buffer's own header channel, made first)."""
+def make(name: str, group, device: torch.device, timeout_s: float, num_nvl_bytes: int, nodes=None,
+         reference: Optional[ReferenceTransport] = None, chunk_tokens: Optional[int] = None) -> Transport:
+    """A transport of ``name`` other than the reference (the buffer's own header channel, made first). The
+    hierarchical transport needs ``nodes`` (the group's `smsplit.nodes.NodeLayout`, or ranks per node) and takes
+    ``reference`` (the buffer's header channel, whose waits and failure state it shares; a new one if None) and
+    ``chunk_tokens`` (tokens per network chunk; None: its default)."""
+    if name == HierarchicalTransport.name:
+        if nodes is None:
+            raise reject("backend", "backend='hierarchical' needs the node layout (ranks per node); none was given")
+        reference = reference if reference is not None else ReferenceTransport(group, device, timeout_s)
+        if chunk_tokens is None:
+            return HierarchicalTransport(reference, nodes)
+        return HierarchicalTransport(reference, nodes, chunk_tokens)
     return _CLASSES[name](group, device, timeout_s, num_nvl_bytes)
 
 
@@ -228,6 +243,6 @@ def size_hint(backend: str, num_ranks: int, max_tokens: int, hidden: int, num_to
                                                False) for name in candidates(backend))
 
 
-__all__ = ["AUTO", "BACKENDS", "DEVICE_BACKENDS", "ORDER", "REFERENCE", "candidates", "capabilities",
+__all__ = ["AUTO", "BACKENDS", "DEVICE_BACKENDS", "EXPLICIT_ONLY", "ORDER", "REFERENCE", "candidates", "capabilities",
            "check_backend", "choose", "environment", "environment_problem", "environment_problem_of", "make", "problem",
            "size_hint", "transport_class"]

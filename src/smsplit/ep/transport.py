@@ -235,6 +235,9 @@ class Tokens:
         num_local_experts: experts per rank (for the local expert ids the received top-k ids become).
         counts: an eager uncached dispatch's ``counts[i][j]``, tokens rank i sends to rank j (from the header
             exchange), else None.
+        node_counts: an eager uncached dispatch's ``node_counts[i][m]``, tokens rank i sends to node m (to any of
+            its ranks; counted once per token and node), for the hierarchical transport (`smsplit.ep.hierarchical`),
+            which exchanges them itself where this is None.
     """
 
     values: Optional[torch.Tensor]
@@ -244,6 +247,7 @@ class Tokens:
     quantize: bool = False
     num_local_experts: int = 0
     counts: Optional[List[List[int]]] = None
+    node_counts: Optional[List[List[int]]] = None
 
 
 @dataclass
