@@ -374,14 +374,13 @@ def _format_row(row) -> str:
 
 def main(argv=None):
     from smsplit.ep.buffer import BACKENDS
-    from smsplit.ep.registry import EXPLICIT_ONLY  # (the hierarchical transport needs a node layout)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU run: gloo ranks, tiny shapes")
     parser.add_argument("--world", type=int, default=2, help="EP ranks, one GPU each (EP8: 8)")
     parser.add_argument("--comm-sms", type=int, nargs="+", default=[8, 16, 24, 32])
     parser.add_argument("--transports", nargs="+",
-                        default=[b for b in BACKENDS if b != "auto" and b not in EXPLICIT_ONLY],
+                        default=[b for b in BACKENDS if b not in ("auto", "hierarchical")],
                         help=f"EP transports (Buffer backends); this build has {BACKENDS}")
     parser.add_argument("--experts", type=int, default=0, help="routed experts (default 256; shrink only for memory)")
     parser.add_argument("--iters", type=int, default=5)

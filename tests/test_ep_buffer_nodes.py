@@ -88,3 +88,51 @@ def case_rdma_argument(rank, world_size):
 
 def test_num_rdma_bytes_is_kept_and_tokens_per_node_are_checked_for_their_shape():
     assert gloo_pool(2).run(case_rdma_argument) == [(1 << 20, "num_tokens_per_rdma_rank")] * 2
+
+
+def case_auto_across_nodes(rank, world_size, ranks_per_node):
+    """DeepEP's internode calls on a buffer of emulated nodes ("auto": the hierarchical transport) against the same
+    calls on a flat reference buffer: equal rows, handles, sums and gradients; fewer rows across nodes."""
+    from smsplit.nodes import count_node_bytes
+
+    hier = Buffer(dist.group.WORLD, 0, 1 << 20, ranks_per_node=ranks_per_node, timeout_s=20)
+    flat = Buffer(dist.group.WORLD, backend="reference", ranks_per_node=ranks_per_node, timeout_s=20)
+    g = torch.Generator().manual_seed(100 + rank)
+    num_experts, tokens, hidden = 4 * world_size, 10, 256
+    topk = torch.rand(tokens, num_experts, generator=g).topk(3, dim=1).indices
+    topk[0] = -1  # a token that goes nowhere
+    weights = torch.rand(tokens, 3, generator=g)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    out = {}
+    for name, buffer in (("hier", hier), ("flat", flat)):
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, num_experts)
+        layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, **layout)
+        dispatch_traffic = buffer.last_traffic
+        (recv_q, recv_s), *_ = buffer.dispatch(x, handle=handle, fp8=True)
+        combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        # autograd: the gradient of a dispatch is the combine of the received rows' gradients
+        leaf = x.float().requires_grad_()
+        rows, *_ = buffer.dispatch(leaf, **layout)
+        (rows * 2).sum().backward()
+        out[name] = (handle.transport, recv_x, recv_idx, recv_w, counts, handle.rank_prefix_matrix,
+                     handle.recv_src_idx, recv_q.view(torch.uint8), recv_s, combined, combined_w, leaf.grad,
+                     dispatch_traffic, in_rank)
+    h, f = out["hier"], out["flat"]
+    assert (h[0], f[0]) == ("hierarchical", "reference")
+    for a, b in zip(h[1:9], f[1:9]):
+        assert (a is None and b is None) or (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+    torch.testing.assert_close(h[9].float(), f[9].float(), rtol=2e-2, atol=2e-2)  # (node sums rounded to bf16)
+    torch.testing.assert_close(h[10], f[10])
+    torch.testing.assert_close(h[11], f[11])
+    hier_traffic, flat_traffic, in_rank = h[12], f[12], h[13]
+    rows = count_node_bytes(in_rank, rank, hier.nodes, 1)
+    assert hier_traffic.internode_rows == rows.internode_bytes and flat_traffic.internode_rows == rows.flat_internode_bytes
+    return hier_traffic.internode_rows, flat_traffic.internode_rows
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 2), (4, 1)])
+def test_deepep_internode_calls_on_emulated_nodes_match_the_flat_reference(world_size, ranks_per_node):
+    results = gloo_pool(world_size).run(case_auto_across_nodes, ranks_per_node)
+    assert sum(h for h, _ in results) < sum(f for _, f in results) or ranks_per_node == 1, results

@@ -572,11 +572,24 @@ def test_layouts_that_cannot_work_raise_value_error_before_anything_moves():
     assert "ranks_per_node=0" in messages[2] and "NodeLayout" in messages[3]
 
 
-def test_the_registry_names_the_hierarchical_transport_last():
-    assert registry.BACKENDS[-1] == "hierarchical" and "hierarchical" not in registry.ORDER
+def test_the_registry_names_the_hierarchical_transport_and_auto_takes_it_only_across_nodes():
+    from smsplit.ep.transport import Environment, Move
+
+    assert registry.BACKENDS[-1] == "hierarchical"  # (a name's index is its code in the constructor's header)
+    assert registry.ORDER[-2:] == ("hierarchical", "reference")
     caps = registry.capabilities("hierarchical")
     assert torch.float8_e4m3fn in caps.moves and torch.bfloat16 in caps.quantizes and not caps.needs_cuda
     assert caps.capture == "never" and caps.weights_only and not caps.one_node and not caps.needs_buffer
+    assert caps.hierarchical
+    cpu = Environment(cuda=False, one_node=True, num_ranks=4, num_nvl_bytes=0, device_sms=0)
+    gpu = Environment(cuda=True, one_node=True, num_ranks=4, num_nvl_bytes=1 << 30, device_sms=132)
+    move = Move("dispatch", torch.bfloat16, hidden=256, num_topk=2, max_tokens=8)
+    assert registry.choose("auto", move, cpu) == "reference"
+    assert registry.choose("auto", move, cpu._replace(num_nodes=2)) == "hierarchical"
+    assert registry.choose("auto", move, gpu) == "nvlink_copy_engine"
+    assert registry.choose("auto", move, gpu._replace(num_nodes=2)) == "hierarchical"  # (emulated nodes too)
+    refused = registry.environment_problem("nvlink", gpu._replace(num_nodes=2))
+    assert refused.argument == "backend" and "use backend='hierarchical'" in str(refused)
 
 
 # -- one GPU: ranks sharing it, the exchange staged through the host -------------------------------------------------

@@ -30,8 +30,8 @@ def combine(layout_of, dtype=BF16, **kw):
 
 
 def test_the_registry_lists_every_transport_fastest_first():
-    assert registry.ORDER == ("nvlink_copy_engine", "nvlink", "copy_engine", "reference")
-    assert set(registry.BACKENDS) == set(registry.ORDER) | set(registry.EXPLICIT_ONLY) | {"auto"}
+    assert registry.ORDER == ("nvlink_copy_engine", "nvlink", "copy_engine", "hierarchical", "reference")
+    assert set(registry.BACKENDS) == set(registry.ORDER) | {"auto"}
     assert registry.BACKENDS[-1] == "hierarchical"  # (a name's index is its code in the header: new names go last)
     assert registry.DEVICE_BACKENDS == ("nvlink", "copy_engine", "nvlink_copy_engine")
 
@@ -51,7 +51,11 @@ def test_auto_takes_the_fastest_transport_that_can_move_the_call():
     assert choose("auto", dispatch(num_topk=17), GPU) == "reference"
     assert choose("auto", dispatch(num_sms=200), GPU) == "reference"  # more SMs than the GPU has
     # a cached dispatch or a combine reuses its layout: the transport that made it, else the reference
-    for maker in registry.ORDER:
+    nodes = GPU._replace(num_nodes=2)  # the hierarchical transport's layouts exist only where nodes are several
+    assert choose("auto", dispatch(layout_of="hierarchical", layout_hidden=7168), nodes) == "hierarchical"
+    assert choose("auto", combine("hierarchical", FP32), nodes) == "hierarchical"
+    assert choose("auto", combine("hierarchical", None), nodes) == "hierarchical"
+    for maker in (name for name in registry.ORDER if name != "hierarchical"):
         assert choose("auto", dispatch(layout_of=maker, layout_hidden=7168), GPU) == maker
         assert choose("auto", combine(maker), GPU) == maker
         assert choose("auto", combine(maker, FP32), GPU) == "reference"  # the kernels sum bf16 only

@@ -22,7 +22,7 @@ from .layout import DispatchHandle, compute_dispatch_layout
 from ..nodes import NODE_ROW_WORDS, NodeLayout, check_launch_env_words, launch_env_words, layout_from_rows, node_row
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
-from .transport import EPArgumentError, EPError, Environment, on_every_rank, reject
+from .transport import EPArgumentError, EPError, Environment, Traffic, Transport, on_every_rank, reject
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 __all__ = ["BACKENDS", "DEVICE_BACKENDS", "Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
@@ -142,6 +142,7 @@ class Buffer:
             error = registry.environment_problem_of(self.backend, self._env)
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)  # the headers, aborts and reference
         self._transports = {self.transport.name: self.transport}  # name -> transport, device ones at first use
+        self._moved_by: Optional[Transport] = None  # the transport of the last call (`last_traffic`)
         self._where = checks.Where(self.device, self.group_size, id(self), self.num_nvl_bytes)
         self._device_failure: Optional[str] = None
         self._eager_sms: Optional[int] = None  # the SM count of the last eager call (a captured call's)
@@ -157,6 +158,7 @@ class Buffer:
         self._env = self._environment(one_node=self.transport.one_node)
         self.nodes = self._agree_nodes(ranks_per_node if error is None else None)
         self._env = self._env._replace(num_nodes=self.nodes.num_nodes)
+        self.transport.ranks_per_node = self.nodes.ranks_per_node
         self._where = checks.Where(self.device, self.group_size, id(self), self.num_nvl_bytes, self.nodes.num_nodes)
         if self.nodes.num_nodes > 1 and self.backend != registry.AUTO:
             error = registry.environment_problem(self.backend, self._env)
@@ -518,9 +520,22 @@ class Buffer:
         use; its buffers are made at their first dispatch of each hidden size."""
         transport = self._transports.get(name)
         if transport is None:
-            transport = registry.make(name, self.group, self.device, self.timeout_s, self.num_nvl_bytes)
+            transport = registry.make(name, self.group, self.device, self.timeout_s, self.num_nvl_bytes,
+                                      nodes=self.nodes, reference=self.transport)
             self._transports[name] = transport
+        self._moved_by = transport
         return transport
+
+    @property
+    def last_traffic(self) -> Optional[Traffic]:
+        """
+        What this rank's last dispatch or combine sent, counted from its messages (`smsplit.ep.transport.Traffic`):
+        rows and bytes to ranks on other nodes (`internode_bytes`) and to the other ranks of its node
+        (`intranode_bytes`), rows kept on this rank, messages. The hierarchical transport sends a token across the
+        network once per target node; the reference transport (a flat exchange) once per destination rank on another
+        node. None before the first call, and after a call of a device transport (their kernels do not count).
+        """
+        return self._moved_by.last_traffic if self._moved_by is not None else None
 
     def _header(self, op: int):
         """This call's header rows; a kernel timeout recorded on this rank so far goes into its status."""

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from ..fp8 import quantize_activations
 from .reference import FLOAT_DTYPES, ReferenceTransport, _inner_numel, _reference_bytes, pack_rows, unpack_column
 from .rows import SCALE_BLOCK, rank_prefix_matrix_from_counts, to_local_expert_ids
-from .transport import Capabilities, EPError, Received, Tokens, Transport
+from .transport import Capabilities, EPError, Received, Tokens, Traffic, Transport
 
 if TYPE_CHECKING:  # (smsplit.nodes imports smsplit.ep.layout: imported where needed, after the package)
     from ..nodes import NodeLayout
@@ -97,37 +97,6 @@ class Message(NamedTuple):
     bytes: int
     event: str
     order: int
-
-
-@dataclass
-class Traffic:
-    """What one dispatch or combine of this rank posted, counted from its messages (`last_traffic`).
-
-    Attributes:
-        op: "dispatch" or "combine".
-        row_bytes: bytes of one row in this call's messages (values, FP8 scales, top-k ids and weights, and in an
-            uncached dispatch the source index).
-        internode_rows / internode_bytes: rows (bytes) this rank sent to ranks on other nodes: a dispatch's
-            network chunks (one row per token and target node other than its own), a combine's node sums.
-        intranode_rows / intranode_bytes: rows (bytes) this rank sent to other ranks of its node: a dispatch's
-            forwarded rows, a combine's rows returned to their forwarders.
-        local_rows: rows of this rank's own tokens that stayed on it (its own experts; no message).
-        notify_bytes: bytes of the notify rounds (counts, masks, chunk counts; a dispatch that made its layout).
-        messages: messages posted (notify rounds included).
-        max_nodes_crossed: a dispatch: the most network crossings of any of this rank's tokens (the number of
-            network lists holding it); a combine: the most node sums any of its tokens received over the network.
-    """
-
-    op: str
-    row_bytes: int = 0
-    internode_rows: int = 0
-    internode_bytes: int = 0
-    intranode_rows: int = 0
-    intranode_bytes: int = 0
-    local_rows: int = 0
-    notify_bytes: int = 0
-    messages: int = 0
-    max_nodes_crossed: int = 0
 
 
 @dataclass
@@ -232,7 +201,7 @@ class HierarchicalTransport(Transport):
         return Capabilities(moves=every, quantizes=FLOAT_DTYPES, combines=FLOAT_DTYPES, weights_only=True,
                             capture="never", reads_any_layout=False, needs_cuda=False, one_node=False,
                             needs_buffer=False, hidden_multiple=1, max_topk=0, max_ranks=0,
-                            buffer_bytes=_reference_bytes)
+                            buffer_bytes=_reference_bytes, hierarchical=True)
 
     def __init__(self, reference: ReferenceTransport, nodes: Union["NodeLayout", int],
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:

@@ -27,7 +27,7 @@ from .host_headers import HostHeaders
 if TYPE_CHECKING:  # (annotations only: the layout module holds Triton kernels, which this one needs not)
     from .layout import DispatchHandle
 from .rows import buffer_bytes, combine_row_bytes, dispatch_row_bytes, rank_prefix_matrix_from_counts, to_local_expert_ids
-from .transport import (Capabilities, EPAbortError, EPError, EPTimeoutError, Received, Tokens, Transport,
+from .transport import (Capabilities, EPAbortError, EPError, EPTimeoutError, Received, Tokens, Traffic, Transport,
                         all_gather_into_tensor, poll_until)
 
 FLOAT_DTYPES = frozenset((torch.bfloat16, torch.float16, torch.float32))
@@ -129,6 +129,8 @@ class ReferenceTransport(Transport):
         self._host_headers = None if self.host_headers_allowed else False
         self._shared = None  # the shared file (headers and aborts; None until the first exchange, False: none)
         self.header_rounds = 0  # header exchanges made (the measure of progress in abort entries)
+        # ranks per node of the buffer's node layout (set once it is agreed), for `last_traffic`: one node until then
+        self.ranks_per_node = self.num_ranks
         self._ended_checked = 0.0
 
     # -- messaging ----------------------------------------------------------------------------------------------
@@ -420,6 +422,7 @@ class ReferenceTransport(Transport):
         widths = [_inner_numel(f) * f.element_size() for f in fields]
         row_bytes = sum(widths)
         send = [pack_rows([f[idx] for f in fields]).flatten() for idx in layout.send_token_idx]
+        self._count(op, row_bytes, layout.send_counts)
         recv = self._exchange(op, "tokens", send, [n * row_bytes for n in layout.recv_counts])
         out = [torch.zeros(handle.num_recv_rows, *f.shape[1:], dtype=f.dtype, device=self.device) for f in fields]
         for peer in range(self.num_ranks):
@@ -433,6 +436,22 @@ class ReferenceTransport(Transport):
                 col += w
         return out
 
+    def _count(self, op: str, row_bytes: int, rows_to: List[int]) -> None:
+        """`last_traffic` of a flat exchange that sends ``rows_to[p]`` rows of ``row_bytes`` to each rank p."""
+        node = self.rank // self.ranks_per_node
+        traffic = Traffic(op, row_bytes=row_bytes, local_rows=rows_to[self.rank])
+        for peer, rows in enumerate(rows_to):
+            if peer == self.rank or rows == 0:
+                continue
+            traffic.messages += 1
+            if peer // self.ranks_per_node == node:
+                traffic.intranode_rows += rows
+            else:
+                traffic.internode_rows += rows
+        traffic.intranode_bytes, traffic.internode_bytes = (traffic.intranode_rows * row_bytes,
+                                                            traffic.internode_rows * row_bytes)
+        self.last_traffic = traffic
+
     def sum_rows(self, op: str, handle: "DispatchHandle", fields: List[Optional[torch.Tensor]],
                  state: ReferenceState) -> List[Optional[torch.Tensor]]:
         """The reverse of `move_rows`: fields `[handle.num_recv_rows, k_i]` (or None) back to their tokens' ranks,
@@ -444,6 +463,7 @@ class ReferenceTransport(Transport):
         row_bytes = sum(widths)
         send = [pack_rows([f[start:start + count] for f in present]).flatten()
                 for start, count in zip(layout.recv_offsets, layout.recv_counts)]
+        self._count(op, row_bytes, layout.recv_counts)
         recv = self._exchange(op, "tokens", send, [n * row_bytes for n in layout.send_counts])
         sums = [torch.zeros(handle.num_tokens, *f.shape[1:], dtype=torch.float32, device=self.device)
                 for f in present]

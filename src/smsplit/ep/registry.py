@@ -21,13 +21,12 @@ from .transport import Capabilities, Environment, EPArgumentError, Move, Transpo
 AUTO = "auto"
 _CLASSES = {cls.name: cls for cls in (NvlinkCopyEngine, NvlinkSmPush, CopyEngine, ReferenceTransport,
                                       HierarchicalTransport)}
-ORDER = ("nvlink_copy_engine", "nvlink", "copy_engine", "reference")  # fastest first (see the module docstring)
+# fastest first (see the module docstring); "hierarchical" only where the node layout has several nodes
+ORDER = ("nvlink_copy_engine", "nvlink", "copy_engine", "hierarchical", "reference")
 # every name `Buffer(backend=)` takes; a name's index is its code in the constructor's header (new names go last)
 BACKENDS = (AUTO, "reference", "nvlink", "copy_engine", "nvlink_copy_engine", "hierarchical")
 DEVICE_BACKENDS = tuple(name for name in BACKENDS if name in _CLASSES and _CLASSES[name].capabilities().needs_cuda)
-# the hierarchical transport needs a node layout, which "auto" does not yet pass on: named explicitly only
-EXPLICIT_ONLY = ("hierarchical",)
-assert set(ORDER) | set(EXPLICIT_ONLY) == set(_CLASSES) and ORDER[-1] == ReferenceTransport.name
+assert set(ORDER) == set(_CLASSES) and ORDER[-1] == ReferenceTransport.name
 REFERENCE = ReferenceTransport.name  # moves anything, on any device: the last resort of every choice
 
 
@@ -230,7 +229,8 @@ def _choose(backend: str, move: Move, env: Environment, internal: bool,
     first = first or unusable
     if backend != AUTO:
         able = [name for name in ORDER if name not in names and environment_problem(name, env, capabilities_of(name))
-                is None and problem(name, move, env, capabilities_of(name)) is None]
+                is None and problem(name, move, env, capabilities_of(name)) is None
+                and not (capabilities_of(name).hierarchical and env.num_nodes == 1)]
         if able:
             first = EPArgumentError(first.argument, f"{first}; backend={able[0]!r} can")
     raise first
@@ -243,6 +243,6 @@ def size_hint(backend: str, num_ranks: int, max_tokens: int, hidden: int, num_to
                                                False) for name in candidates(backend))
 
 
-__all__ = ["AUTO", "BACKENDS", "DEVICE_BACKENDS", "EXPLICIT_ONLY", "ORDER", "REFERENCE", "candidates", "capabilities",
+__all__ = ["AUTO", "BACKENDS", "DEVICE_BACKENDS", "ORDER", "REFERENCE", "candidates", "capabilities",
            "check_backend", "choose", "environment", "environment_problem", "environment_problem_of", "make", "problem",
            "size_hint", "transport_class"]

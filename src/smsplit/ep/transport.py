@@ -261,6 +261,42 @@ class Received:
     topk_weights: Optional[torch.Tensor]
 
 
+@dataclass
+class Traffic:
+    """What one dispatch or combine of this rank posted, counted from its messages (`Transport.last_traffic`,
+    `Buffer.last_traffic`). On the hierarchical transport a token crosses the network once per target node; on the
+    reference transport (a flat exchange) once per destination rank on another node.
+
+    Attributes:
+        op: "dispatch" or "combine".
+        row_bytes: bytes of one row in this call's messages (values, FP8 scales, top-k ids and weights, and in an
+            uncached dispatch the source index).
+        internode_rows / internode_bytes: rows (bytes) this rank sent to ranks on other nodes: hierarchical, a
+            dispatch's network chunks (one row per token and target node other than its own), a combine's node
+            sums; reference, one row per token and destination rank on another node (a combine: per received row
+            whose source is on another node).
+        intranode_rows / intranode_bytes: rows (bytes) this rank sent to other ranks of its node: hierarchical, a
+            dispatch's forwarded rows, a combine's rows returned to their forwarders; reference, rows to the other
+            ranks of its node.
+        local_rows: rows of this rank's own tokens that stayed on it (its own experts; no message).
+        notify_bytes: bytes of the notify rounds (counts, masks, chunk counts; a dispatch that made its layout).
+        messages: messages posted (notify rounds included).
+        max_nodes_crossed: a dispatch: the most network crossings of any of this rank's tokens (the number of
+            network lists holding it); a combine: the most node sums any of its tokens received over the network.
+    """
+
+    op: str
+    row_bytes: int = 0
+    internode_rows: int = 0
+    internode_bytes: int = 0
+    intranode_rows: int = 0
+    intranode_bytes: int = 0
+    local_rows: int = 0
+    notify_bytes: int = 0
+    messages: int = 0
+    max_nodes_crossed: int = 0
+
+
 class Transport:
     """
     Moves tokens between the ranks of one process group: the protocol every transport implements. The SM count
@@ -276,6 +312,7 @@ class Transport:
     """
 
     name = "abstract"
+    last_traffic: Optional[Traffic] = None  # what the last dispatch or combine posted (None: not counted)
 
     def __init__(self, group, device: torch.device, timeout_s: float) -> None:
         self.group = group
