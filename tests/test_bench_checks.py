@@ -350,3 +350,23 @@ def test_start_together_barrier_signals_every_rank_waits_for_each_and_reads_the_
     assert text.count("%globaltimer") == 3 and text.index("bar.sync") < text.rindex("%globaltimer")
     text, _ = ptx.compile_for_sm90(common.stamp_kernel, {"stamp_ptr": "*i64"}, {}, num_warps=1)
     assert "%globaltimer" in text
+
+
+def test_internode_all_to_all_sends_the_hierarchical_network_leg_peer_by_peer():
+    """bench/internode.py's baseline moves what the hierarchical dispatch sends across nodes: one row per token and
+    other target node, to the rank of the sender's local index there (`count_node_bytes` counts the same rows)."""
+    import internode
+
+    from smsplit.nodes import NodeLayout, count_node_bytes
+
+    g = torch.Generator().manual_seed(5)
+    nodes = NodeLayout(ranks_per_node=2, num_nodes=3)
+    in_rank = torch.rand(40, 6, generator=g) < 0.3
+    for rank in range(6):
+        splits = internode.network_splits(in_rank, rank, nodes, 10)
+        assert sum(splits) == count_node_bytes(in_rank, rank, nodes, 10).internode_bytes
+        for peer, size in enumerate(splits):
+            if nodes.node_of(peer) == nodes.node_of(rank) or nodes.local_index(peer) != nodes.local_index(rank):
+                assert size == 0
+            else:
+                assert size == 10 * int(in_rank[:, nodes.ranks_of_node(nodes.node_of(peer))].any(1).sum())

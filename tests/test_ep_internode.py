@@ -610,3 +610,40 @@ def test_on_one_gpu_with_ranks_sharing_it_staged_through_the_host():
     specs = specs_for(P, R, seed=77)[:4]
     results = run_ranks_on_one_gpu(R, gpu_ranks, P, timeout_s=300)
     check_totals(specs, results, R)
+
+
+def test_nccl_options_refuse_counts_nccl_cannot_take():
+    from smsplit.ep.hierarchical import nccl_options
+
+    if not torch.distributed.is_nccl_available():
+        with pytest.raises(RuntimeError, match="no NCCL"):
+            nccl_options(12)
+        return
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match="max_ctas"):
+            nccl_options(bad)
+    with pytest.raises(ValueError, match="exceeds"):
+        nccl_options(4, 8)
+
+
+@pytest.mark.gpu
+def test_an_nccl_group_made_with_capped_ctas_runs():
+    """`nccl_options` builds options torch's NCCL process group accepts (a one-rank group, its config read back)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from smsplit.ep.hierarchical import nccl_options\n"
+        "opts = nccl_options(4, 2)\n"
+        "assert (opts.config.max_ctas, opts.config.min_ctas) == (4, 2)\n"
+        "torch.cuda.set_device(0)\n"
+        "dist.init_process_group('nccl', rank=0, world_size=1, store=dist.HashStore(), pg_options=opts, "
+        "device_id=torch.device('cuda', 0))\n"
+        "t = torch.ones(4, device='cuda')\n"
+        "dist.all_reduce(t)\n"
+        "assert t.tolist() == [1.0] * 4\n"
+        "dist.destroy_process_group()\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

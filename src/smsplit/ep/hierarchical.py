@@ -671,4 +671,32 @@ class HierarchicalTransport(Transport):
         self.reference._check_usable()
 
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "HierarchicalState", "HierarchicalTransport", "Message", "Traffic"]
+def nccl_options(max_ctas: int, min_ctas: int = 1):
+    """
+    ``torch.distributed.ProcessGroupNCCL.Options`` whose communicator runs at most ``max_ctas`` CTAs per kernel
+    (NCCL's ``ncclConfig_t.maxCTAs``; ``min_ctas``: ``minCTAs``). NCCL's kernels run outside smsplit's green contexts,
+    so this is how the hierarchical transport's network leg on NCCL stays within a comm budget: pass it where the EP
+    group is made, ``dist.new_group(ranks, backend="nccl", pg_options=nccl_options(12))`` (or to
+    ``init_process_group``). Fewer CTAs cost NCCL bandwidth on NVLink (each CTA drives a channel); on a 400 Gb/s NIC a
+    few saturate the link. The figure for our machines needs two or more GPUs (`bench/internode.py
+    --nccl-max-ctas`).
+
+    Raises:
+        RuntimeError: this torch build has no NCCL (a CPU build: the transport runs on gloo there).
+        ValueError: counts that are not ints with 1 <= min_ctas <= max_ctas <= 64 (NCCL's channel limit).
+    """
+    if not dist.is_nccl_available():
+        raise RuntimeError("nccl_options: this torch build has no NCCL (the hierarchical transport runs on gloo "
+                           "there, with no CTAs to cap)")
+    for name, value in (("max_ctas", max_ctas), ("min_ctas", min_ctas)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= 64:
+            raise ValueError(f"{name}: expected an int in [1, 64], got {value!r}")
+    if min_ctas > max_ctas:
+        raise ValueError(f"min_ctas={min_ctas} exceeds max_ctas={max_ctas}")
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = int(max_ctas)
+    options.config.min_ctas = int(min_ctas)
+    return options
+
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "HierarchicalState", "HierarchicalTransport", "Message", "nccl_options"]
