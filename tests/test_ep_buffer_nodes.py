@@ -116,9 +116,13 @@ def case_auto_across_nodes(rank, world_size, ranks_per_node):
         leaf = x.float().requires_grad_()
         rows, *_ = buffer.dispatch(leaf, **layout)
         (rows * 2).sum().backward()
+        # and the gradient of a combine is the cached dispatch of the summed rows' gradients
+        expert_out = recv_x.float().requires_grad_()
+        summed, *_ = buffer.combine(expert_out, handle)
+        (summed * torch.arange(1, hidden + 1)).sum().backward()
         out[name] = (handle.transport, recv_x, recv_idx, recv_w, counts, handle.rank_prefix_matrix,
                      handle.recv_src_idx, recv_q.view(torch.uint8), recv_s, combined, combined_w, leaf.grad,
-                     dispatch_traffic, in_rank)
+                     dispatch_traffic, in_rank, expert_out.grad)
     h, f = out["hier"], out["flat"]
     assert (h[0], f[0]) == ("hierarchical", "reference")
     for a, b in zip(h[1:9], f[1:9]):
@@ -126,6 +130,7 @@ def case_auto_across_nodes(rank, world_size, ranks_per_node):
     torch.testing.assert_close(h[9].float(), f[9].float(), rtol=2e-2, atol=2e-2)  # (node sums rounded to bf16)
     torch.testing.assert_close(h[10], f[10])
     torch.testing.assert_close(h[11], f[11])
+    assert torch.equal(h[14], f[14])  # (fp32 gradients move as they are)
     hier_traffic, flat_traffic, in_rank = h[12], f[12], h[13]
     rows = count_node_bytes(in_rank, rank, hier.nodes, 1)
     assert hier_traffic.internode_rows == rows.internode_bytes and flat_traffic.internode_rows == rows.flat_internode_bytes
