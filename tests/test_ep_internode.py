@@ -499,9 +499,12 @@ def test_a_missing_peer_is_named_with_its_node_and_phase_at_timeout_s():
         if rank == lost:
             continue
         kind, message, peer, elapsed = results[rank]
-        assert kind == "EPTimeoutError", (rank, message)
+        # the ranks that wait for the lost one time out; rank 2 waits for rank 0, which may give up first and close
+        # its connection (gloo does): then rank 2's wait fails at once, an EPError naming the same peer and phase
+        assert kind == "EPTimeoutError" or (rank == 2 and kind == "EPError"), (rank, message)
         assert f"rank {peer} (node {peer // P})" in message and message.startswith("dispatch: "), message
-        assert timeout_s <= elapsed <= timeout_s + 4.0, (rank, elapsed)
+        # (an EPError comes when rank 0 gives up: timeout_s after rank 0 started, which may be before this rank did)
+        assert timeout_s - (1.0 if kind == "EPError" else 0.0) <= elapsed <= timeout_s + 4.0, (rank, elapsed)
     # rank 3 (node 1, local 1) waits for the lost rank's second chunk over the network
     assert results[3][1].startswith("dispatch: network: waiting for chunk 1 of its tokens from rank 1 (node 0) "
                                     "(no answer within timeout_s=2)"), results[3][1]
