@@ -17,7 +17,8 @@ import torch.distributed as dist
 import oracles
 from ep_harness import gloo_pool, run_ranks_on_one_gpu
 from smsplit.ep import EPArgumentError, EPError, EPTimeoutError, registry
-from smsplit.ep.hierarchical import HierarchicalState, HierarchicalTransport
+from smsplit.ep.hierarchical import HierarchicalTransport
+from smsplit.ep.hierarchical_plan import HierarchicalState
 from smsplit.ep.layout import DispatchHandle, compute_dispatch_layout
 from smsplit.ep.reference import ReferenceTransport
 from smsplit.ep.transport import Tokens

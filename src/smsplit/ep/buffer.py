@@ -19,10 +19,9 @@ from .event import EventOverlap
 from .header import (H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH, OP_INIT, OP_NAMES, aborts, agree, agree_init,
                      fill_combine, fill_dispatch, init_header, new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
-from ..nodes import NODE_ROW_WORDS, NodeLayout, check_launch_env_words, launch_env_words, layout_from_rows, node_row
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
-from .transport import EPArgumentError, EPError, Environment, Traffic, Transport, on_every_rank, reject
+from .transport import EPArgumentError, EPError, Environment, Traffic, Transport, on_every_rank
 
 Tensorish = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 __all__ = ["BACKENDS", "DEVICE_BACKENDS", "Buffer", "Config", "HEADER_WORDS", "topk_idx_t"]
@@ -156,7 +155,7 @@ class Buffer:
         # Every rank on one machine (the header file was shared): what "auto" needs of a device transport. An
         # explicit one is taken at its word: ranks that share no /dev/shm may still share GPUs.
         self._env = self._environment(one_node=self.transport.one_node)
-        self.nodes = self._agree_nodes(ranks_per_node if error is None else None)
+        self.nodes = calls.agree_nodes(self, ranks_per_node if error is None else None)
         self._env = self._env._replace(num_nodes=self.nodes.num_nodes)
         self.transport.ranks_per_node = self.nodes.ranks_per_node
         self._where = checks.Where(self.device, self.group_size, id(self), self.num_nvl_bytes, self.nodes.num_nodes)
@@ -164,24 +163,6 @@ class Buffer:
             error = registry.environment_problem(self.backend, self._env)
             if error is not None:
                 raise on_every_rank(error)
-
-    def _agree_nodes(self, ranks_per_node: Optional[int]) -> NodeLayout:
-        """The node layout (`smsplit.nodes`), from every rank's facts gathered by a header exchange (bounded by
-        `timeout_s`, as every wait): the same on every rank, or the same `EPArgumentError` on every rank, naming
-        `ranks_per_node` for a layout that cannot work, `group` for ranks started with different values of the
-        variables of `smsplit.nodes.AGREED_LAUNCH_ENV`."""
-        row = torch.tensor([node_row(ranks_per_node, dist.get_global_rank(self.group, self.rank))
-                            + launch_env_words()], dtype=torch.int64)
-        rows = self.transport.exchange_headers("init", "the node layout", row.expand(self.group_size, -1)).tolist()
-        try:
-            nodes = layout_from_rows([r[:NODE_ROW_WORDS] for r in rows])
-        except ValueError as e:
-            raise on_every_rank(reject("ranks_per_node", f"{e}")) from None
-        try:  # (variables that steer NCCL and NVSHMEM: a node started with other values would hang, not fail)
-            check_launch_env_words([r[NODE_ROW_WORDS:] for r in rows])
-        except ValueError as e:
-            raise on_every_rank(reject("group", f"{e}")) from None
-        return nodes
 
     def _environment(self, one_node: bool) -> Environment:
         """What this buffer runs on, for the registry (the same on every rank)."""

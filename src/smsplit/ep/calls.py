@@ -11,11 +11,14 @@ by `smsplit.ep.registry`); the machinery of those steps is here. Functions that 
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import fp8 as fp8_lib
 from . import checks, registry
 from .header import H_NUM_TOKENS, H_NUM_WORST, HEADER_WORDS
 from .layout import DispatchHandle
+from ..nodes import (NODE_ROW_WORDS, NodeLayout, check_launch_env_words, launch_env_words, layout_from_rows,
+                     node_row)
 from .rows import align_up
 from .transport import EPArgumentError, EPTimeoutError, Move, Tokens, check_num_worst_tokens, on_every_rank, reject
 
@@ -151,3 +154,22 @@ def kernel_failure(transports: Dict[str, object], device: torch.device, whole_st
         except (EPTimeoutError, ValueError) as error:
             return str(error)
     return None
+
+
+def agree_nodes(buf: "Buffer", ranks_per_node: Optional[int]) -> NodeLayout:
+    """The node layout (`smsplit.nodes`), from every rank's facts gathered by a header exchange (bounded by
+    `timeout_s`, as every wait): the same on every rank, or the same `EPArgumentError` on every rank, naming
+    `ranks_per_node` for a layout that cannot work, `group` for ranks started with different values of the
+    variables of `smsplit.nodes.AGREED_LAUNCH_ENV`."""
+    row = torch.tensor([node_row(ranks_per_node, dist.get_global_rank(buf.group, buf.rank))
+                        + launch_env_words()], dtype=torch.int64)
+    rows = buf.transport.exchange_headers("init", "the node layout", row.expand(buf.group_size, -1)).tolist()
+    try:
+        nodes = layout_from_rows([r[:NODE_ROW_WORDS] for r in rows])
+    except ValueError as e:
+        raise on_every_rank(reject("ranks_per_node", f"{e}")) from None
+    try:  # (variables that steer NCCL and NVSHMEM: a node started with other values would hang, not fail)
+        check_launch_env_words([r[NODE_ROW_WORDS:] for r in rows])
+    except ValueError as e:
+        raise on_every_rank(reject("group", f"{e}")) from None
+    return nodes
