@@ -160,9 +160,10 @@ def test_combine_chunks_follow_each_calls_sm_count():
         assert nvlink_plan.default_combine_chunks(num_sms) == fractions
         chunks, ends = tr._combine_split(lay, num_sms)  # source 0 sent 20 rows
         assert ends[0].tolist() == [round(20 * f) for f in fractions]
-        # the layout's tokens and receive rows follow the ends, where the copied combine kernel reads them
-        words = torch.as_strided(ends, (ends.numel() + 2,), (1,))
-        assert words[-2:].tolist() == [lay.num_tokens, lay.num_recv_rows]
+        # the layout's receive rows and where each source's rows start follow the ends, where the copied combine
+        # kernel reads them
+        words = torch.as_strided(ends, (ends.numel() + 4,), (1,))
+        assert words[-4:].tolist() == [lay.num_recv_rows, 0, 20, 40]
     assert sorted(key for key in lay.splits) == [("combine", (0.4, 0.7, 0.9, 1.0)), ("combine", (0.5, 0.8, 1.0))]
     assert tr._combine_split(lay, 16) is lay.splits[("combine", (0.5, 0.8, 1.0))]
 

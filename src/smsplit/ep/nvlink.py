@@ -261,7 +261,7 @@ class NvlinkTransport:
             starts = layout.layout[self.num_ranks: 2 * self.num_ranks + 1].tolist()  # then the total
             self.raise_if_failed()
             layout.splits[key] = combine_split(self.rank, starts, fractions, self.device,
-                                               call_words=(layout.num_tokens, layout.num_recv_rows))
+                                               call_words=(layout.num_recv_rows, *starts))
         return layout.splits[key]
 
     def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor, *, num_sms: int) -> None:
@@ -461,14 +461,13 @@ class NvlinkTransport:
             inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
         trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (None, 0)
         y_words = y.view(torch.uint8).view(torch.int32)
-        common = (y_words, y_weights, layout.layout, layout.sent_pos, self.ctx, self._cx)
         consts = dict(HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS)
         if copies:
-            launch_combine_copied(num_sms, *common, split, out, out_w, H, K, R, self.rank, self.max_tokens,
-                                  CHUNKS=split.size(1), **consts)
+            launch_combine_copied(num_sms, y_words, y_weights, layout.sent_pos, self.ctx, self._cx, split, out, out_w,
+                                  T, H, K, R, self.rank, self.max_tokens, CHUNKS=split.size(1), **consts)
         else:
-            launch_combine(num_sms, *common, out, out_w, T, H, K, R, self.rank, self.max_tokens, layout.num_recv_rows,
-                           **consts)
+            launch_combine(num_sms, y_words, y_weights, layout.layout, layout.sent_pos, self.ctx, self._cx, out, out_w,
+                           T, H, K, R, self.rank, self.max_tokens, layout.num_recv_rows, **consts)
         if copies:  # queued after the kernel (which pushes the weights and sums as chunks land)
             row_bytes = H * 2
             copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]

@@ -7,11 +7,13 @@ when done it signals that its sum is done. Two kernels, sharing the steps below:
 every row, and `combine_copied_kernel`, beside copy engines that return the rows in chunks (its sum starts on a chunk
 as soon as it has landed).
 
-Registers: the sum holds nearly all 128 registers of a thread at 16 warps, where ptxas's allocation is on an edge.
-What the sum reads (this rank, the slots per source, H, the combine area's typed pointer) are kernel parameters, which
-stay in the constant bank; the transport's other constants (region offsets, timeout, status and state words) are
-loaded from the context table where they are used, outside the sum's loop or in its rare waits, so that none holds a
-register through it (the kernels' compile tests check that the copied combine does not spill).
+Registers: the sum holds nearly all 128 registers of a thread at 16 warps, where ptxas's allocation is on an edge (a
+small change in what is loaded where moves spills from one Triton version's ptxas to another's). What the sum reads
+(this rank, the tokens, the slots per source, H, the combine area's typed pointer) are kernel parameters, which stay
+in the constant bank; the transport's other constants (region offsets, timeout, status and state words) are loaded
+from the context table before the sum, after it, or in its rare waits, so that none holds a register through it. The
+copied combine masks its tokens by the range it sums (``t_sum``) rather than T: with T, Triton 3.8's ptxas spilled 13
+words in its unweighted loop (none this way; the kernels' compile tests check that it does not spill).
 """
 
 import triton
@@ -41,10 +43,11 @@ def wait_for_peers(ctx_ptr, state_ptr, slot, rank, R, skip_self, target, phase):
 
 
 @triton.jit
-def push_rows_back(y_ptr, yw_ptr, layout_ptr, ctx_ptr, split_ptr, H, K, R, rank, max_tokens, y_rows,
+def push_rows_back(y_ptr, yw_ptr, starts_ptr, ctx_ptr, split_ptr, H, K, R, rank, max_tokens, y_rows,
                    HB: tl.constexpr, CHUNKS: tl.constexpr, TB: tl.constexpr):
-    """Per source, the rows received from it past those the copy engines return (``split_ptr``: where each source's
-    chunks end, the last end its copied rows; None: every row), TB at a time, into this rank's slots of the source's
+    """Per source, the rows received from it (``starts_ptr``: int32, where each source's rows start in y, then the
+    total) past those the copy engines return (``split_ptr``: where each source's chunks end, the last end its copied
+    rows; None: every row), TB at a time, into this rank's slots of the source's
     combine area, then the weights of all its rows as one flat range (a source's rows are contiguous in y and in its
     combine slots). A receive that overflowed num_worst_tokens (status 4, which this rank's host raises) has rows
     past y's: none is read past ``y_rows``, and each source of a row past y's is told (SHORT_SLOT, status 10)."""
@@ -58,8 +61,8 @@ def push_rows_back(y_ptr, yw_ptr, layout_ptr, ctx_ptr, split_ptr, H, K, R, rank,
     off_cx = tl.load(ctx_ptr + CTX_CX)
     for d in range(R):
         if d != rank:
-            received_from = tl.load(layout_ptr + R + d)
-            received_to = tl.load(layout_ptr + R + d + 1)  # (word 2R is the total: the last source's end)
+            received_from = tl.load(starts_ptr + d)
+            received_to = tl.load(starts_ptr + d + 1)  # (word R is the total: the last source's end)
             start = tl.minimum(received_from, y_rows)
             end = tl.minimum(received_to, y_rows)
             base = tl.load(ctx_ptr + d)
@@ -139,7 +142,7 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, out_ptr,
     wait_for_peers(ctx_ptr, state_ptr, SUMMED_SLOT, rank, R, 1, expected, 8)
     self_start = tl.load(layout_ptr + R + rank)
     t_sum = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, 0, T)  # (an overflowed receive sums nothing)
-    push_rows_back(y_ptr, yw_ptr, layout_ptr, ctx_ptr, None, H, K, R, rank, max_tokens, y_rows, HB, 1, TB)
+    push_rows_back(y_ptr, yw_ptr, layout_ptr + R, ctx_ptr, None, H, K, R, rank, max_tokens, y_rows, HB, 1, TB)
     signal_all(ctx_ptr, tl.load(ctx_ptr + CTX_SIG), 2, rank, R)
     wait_for_peers(ctx_ptr, state_ptr, 2, rank, R, 0, expected + programs, 3)
     # the combine area as typed pointers (alignment known: loads vectorize); its weights follow its rows
@@ -160,14 +163,16 @@ def combine_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, out_ptr,
 
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
-def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, out_ptr, out_w_ptr,
-                          H, K, R, rank, max_tokens,
+def combine_copied_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, out_ptr, out_w_ptr,
+                          T, H, K, R, rank, max_tokens,
                           HB: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, CHUNKS: tl.constexpr,
                           trace_ptr, trace_tag):
-    """`combine_kernel` beside copy engines that return the rows: ``split_ptr`` (int32 ``[R * CHUNKS + 2]``, made
-    once per layout and chunking) ends each source's copied rows in CHUNKS chunks (positions among the rows received
-    from it; the kernel pushes the rows past the last end, and all weights), then holds the layout's tokens T and
-    receive rows ``y_rows``. Program 0 tells each source its chunk ends, and the sum waits, per block of tokens, only
+    """`combine_kernel` beside copy engines that return the rows: ``split_ptr`` (int32 ``[R * CHUNKS + R + 2]``,
+    made once per layout and chunking after a host read of the layout) ends each source's copied rows in CHUNKS
+    chunks (positions among the rows received from it; the kernel pushes the rows past the last end, and all
+    weights), then holds the receive rows ``y_rows`` and the layout's words ``[R, 2R]`` (where each source's rows
+    start here, then the total: `combine_kernel`'s ``layout_ptr + R``). Program 0 tells each source its chunk ends,
+    and the sum waits, per block of tokens, only
     for the chunks that hold the rows it adds (each chunk's copy-done flag), so it runs while the copy engines still
     move later chunks. A wait that fails, here or before, sets this rank's FREE_SLOT words, which its reset stream
     waits for."""
@@ -190,17 +195,17 @@ def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, s
         free_copy_stream(own_free, R)
     cols = tl.arange(0, RP)
     cc = tl.arange(0, CP)
-    T = tl.load(split_ptr + R * CHUNKS)
-    y_rows = tl.load(split_ptr + R * CHUNKS + 1)
-    self_start = tl.load(layout_ptr + R + rank)
-    t_sum = tl.where(tl.load(layout_ptr + 2 * R) > y_rows, 0, T)  # (an overflowed receive sums nothing)
+    y_rows = tl.load(split_ptr + R * CHUNKS)
+    starts_ptr = split_ptr + R * CHUNKS + 1
+    self_start = tl.load(starts_ptr + rank)
+    t_sum = tl.where(tl.load(starts_ptr + R) > y_rows, 0, T)  # (an overflowed receive sums nothing)
     if pid == 0:  # each source learns where the chunks of the rows it gets back end
         off_ends = tl.load(ctx_ptr + CTX_CHUNK_ENDS)
         for d in range(R):
             if d != rank:
                 ends_there = (tl.load(ctx_ptr + d) + off_ends).to(tl.pointer_type(tl.int32)) + rank * CHUNKS
                 tl.store(ends_there + cc, tl.load(split_ptr + d * CHUNKS + cc, mask=cc < CHUNKS), mask=cc < CHUNKS)
-    push_rows_back(y_ptr, yw_ptr, layout_ptr, ctx_ptr, split_ptr, H, K, R, rank, max_tokens, y_rows, HB, CHUNKS, TB)
+    push_rows_back(y_ptr, yw_ptr, starts_ptr, ctx_ptr, split_ptr, H, K, R, rank, max_tokens, y_rows, HB, CHUNKS, TB)
     signal_all(ctx_ptr, tl.load(ctx_ptr + CTX_SIG), 2, rank, R)
     wait_for_peers(ctx_ptr, state_ptr, 2, rank, R, 0, expected + programs, 3)
     copies_seen = tl.load(state_ptr + COPIES_WORD + 1, volatile=True) + 1
@@ -224,7 +229,7 @@ def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, s
         last = tl.max(tl.where(pos < copied_end[None, :], pos, -1), axis=0)
         need = tl.sum((ends <= last[:, None]).to(tl.int32), axis=1)  # its chunk
         need = tl.where((last >= 0) & (cols != rank), need, -1)
-        if tl.max(need - landed, axis=0) > 0:  # (the table's words loaded here: none held through the loop)
+        if tl.max(need - landed, axis=0) > 0:
             flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + 4 * R
             for d in range(R):
                 c = pick(need, cols, d)
@@ -237,10 +242,12 @@ def combine_copied_kernel(y_ptr, yw_ptr, layout_ptr, pos_ptr, ctx_ptr, cx_ptr, s
                           out_w_ptr, H, K, HB, KP, RP, TB, False)
     # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
     flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + 4 * R
+    timeout_ns = tl.load(ctx_ptr + CTX_TIMEOUT)
+    status_ptr = status_of(ctx_ptr)
+    fail_ptr = state_of(ctx_ptr) + FAIL_WORD
     for d in range(R):
         if (d != rank) & (pick(landed, cols, d) < CHUNKS - 1):
-            wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, tl.load(ctx_ptr + CTX_TIMEOUT),
-                         status_of(ctx_ptr), state_of(ctx_ptr) + FAIL_WORD, 9)
+            wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 9)
     tl.debug_barrier()
     sig = tl.load(ctx_ptr + CTX_SIG)
     signal_all(ctx_ptr, sig, SUMMED_SLOT, rank, R)  # this program's reads of the combine area are done
