@@ -214,6 +214,11 @@ class CopyEngineTransport:
                         ("is_token_in_rank", is_token_in_rank)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
+        fp8_in = x.dtype == torch.float8_e4m3fn
+        if quantize and fp8_in:
+            raise ValueError("quantize: x is already FP8 (pass its scales instead)")
+        if (scales is not None) != fp8_in and not quantize:  # (the pack kernel knows FP8 rows by their scales)
+            raise ValueError("scales: an FP8 x comes with its fp32 scales (one per 128 values), any other x without")
         if cached is not None:
             if cached.num_tokens != T:
                 raise ValueError(f"cached: the cached layout is for {cached.num_tokens} tokens, x has {T}")
@@ -221,7 +226,7 @@ class CopyEngineTransport:
         else:
             layout = self.layout(is_token_in_rank, num_worst_tokens)
         rows, total = layout.num_recv_rows, layout.num_recv_tokens
-        x_bytes = 1 if (quantize or x.dtype == torch.float8_e4m3fn) else 2
+        x_bytes = 1 if (quantize or fp8_in) else 2
         G = H // SCALE_BLOCK
         stream = torch.cuda.current_stream(self.device.index)
         dev = self.device

@@ -230,7 +230,7 @@ def combine_copied_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, ou
         need = tl.sum((ends <= last[:, None]).to(tl.int32), axis=1)  # its chunk
         need = tl.where((last >= 0) & (cols != rank), need, -1)
         if tl.max(need - landed, axis=0) > 0:
-            flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + 4 * R
+            flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + R
             for d in range(R):
                 c = pick(need, cols, d)
                 if c > pick(landed, cols, d):  # chunks land in order: chunk c's flag covers the earlier ones
@@ -241,7 +241,7 @@ def combine_copied_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, ou
         sum_returned_rows(t, t < t_sum, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx_ptr, cw, max_tokens, out_ptr,
                           out_w_ptr, H, K, HB, KP, RP, TB, False)
     # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
-    flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + 4 * R
+    flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + R
     timeout_ns = tl.load(ctx_ptr + CTX_TIMEOUT)
     status_ptr = status_of(ctx_ptr)
     fail_ptr = state_of(ctx_ptr) + FAIL_WORD
