@@ -23,9 +23,9 @@ from smsplit.fp8 import quantize_1x128
 # The kernels' argument types for compiling them on the CPU (`ptx.compile_for_sm90`): pointers and H compiled as
 # multiples of 16, as Triton specializes them at launch; an absent tensor is None (compiled as a constant).
 DISPATCH_SIGNATURE = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32",
-                      "pos_ptr": "*i32", "layout_ptr": "*i32", "ctx_ptr": "*i64", "T": "i32", "H": "i32", "K": "i32",
-                      "R": "i32", "num_local_experts": "i32", "num_worst": "i32", "trace_ptr": "*i64",
-                      "trace_tag": "i32"}
+                      "pos_ptr": "*i32", "layout_ptr": "*i32", "ctx_ptr": "*i64", "state_ptr": "*i32", "T": "i32",
+                      "H": "i32", "K": "i32", "rank": "i32", "R": "i32", "num_local_experts": "i32",
+                      "num_worst": "i32", "trace_ptr": "*i64", "trace_tag": "i32"}
 COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32", "ctx_ptr": "*i64",
                      "cx_ptr": "*bf16", "split_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32",
                      "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32",

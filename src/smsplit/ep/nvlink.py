@@ -413,8 +413,9 @@ class NvlinkTransport:
                 num_worst_tokens)
         consts = dict(GATE=gate, GROUPS=_pow2(H // SCALE_BLOCK), KP=kp, RP=rp, trace_ptr=trace_view, trace_tag=tag,
                       num_warps=NUM_WARPS)
-        if quantize:
-            launch_dispatch_fp8(num_sms, x, *meta, **consts)
+        if quantize:  # (its state words and rank as parameters: `smsplit.ep.kernels.dispatch_fp8`)
+            launch_dispatch_fp8(num_sms, x, *meta[:5], self.state, T, H, max(K, 1), self.rank, R, num_local_experts,
+                                num_worst_tokens, **consts)
         else:
             args = (x.view(torch.uint8).view(torch.int32), scales, *meta[:5])
             if copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies

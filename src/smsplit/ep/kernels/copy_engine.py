@@ -203,12 +203,11 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, out_ptr, out_w_ptr, H
     chunk_tokens = tl.load(call + CALL_CHUNK)
     self_start = tl.load(call + CALL_SELF)
     NC = tl.load(ctx_ptr + CE_NC).to(tl.int32)
-    own = tl.load(ctx_ptr + rank)
-    cready = (own + tl.load(ctx_ptr + CE_GATE + 5)).to(tl.pointer_type(tl.int32))
+    cready = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CE_GATE + 5)).to(tl.pointer_type(tl.int32))
     cw = (cx_ptr + (R * M).to(tl.int64) * H).to(tl.pointer_type(tl.float32), bitcast=True)
-    for c in range(NC):
-        wait_for_ranks(cready, c, NC, R, rank, 1, tl.load(call + CALL_EPOCH), tl.load(ctx_ptr + CE_TIMEOUT),
-                       tl.load(ctx_ptr + CE_STATUS).to(tl.pointer_type(tl.int32)),
+    for c in range(NC):  # (the call's epoch and the table's words loaded per chunk: none held through the sum)
+        wait_for_ranks(cready, c, NC, R, rank, 1, tl.load(call_words(ctx_ptr, 1) + CALL_EPOCH),
+                       tl.load(ctx_ptr + CE_TIMEOUT), tl.load(ctx_ptr + CE_STATUS).to(tl.pointer_type(tl.int32)),
                        tl.load(ctx_ptr + CE_FAIL).to(tl.pointer_type(tl.int32)), 7)
         t_end = tl.minimum(T, (c + 1) * chunk_tokens)
         for t0 in range(c * chunk_tokens + pid * TB, t_end, programs * TB):
@@ -222,7 +221,7 @@ def reduce_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, out_ptr, out_w_ptr, H
         tl.store(exit_ptr, 0)
         ptx.fence_acq_rel_sys()
         ack_off = tl.load(ctx_ptr + CE_GATE + 4)
-        epoch = tl.load(call + CALL_EPOCH)
+        epoch = tl.load(call_words(ctx_ptr, 1) + CALL_EPOCH)  # (loaded again: not held through the sum)
         for d in range(R):
             if d != rank:
                 ack = (tl.load(ctx_ptr + d) + ack_off).to(tl.pointer_type(tl.int32))
