@@ -208,7 +208,6 @@ def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_pt
     offs = receive_offsets(ctx_ptr)
     push_tokens(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, T, H, K, R, dest_start, dest_base,
                 tl.zeros((RP,), dtype=tl.int32), offs, num_local_experts, X_BYTES, VEC, GROUPS, KP, RP)
-    state_ptr, rank = state_of(ctx_ptr), rank_of(ctx_ptr)  # (loaded again: neither held through the token loop)
     end_dispatch(ctx_ptr, offs, state_ptr, layout_ptr, rank, R, K, H * X_BYTES, H // 128, num_worst, expected,
                  finished, False, HAS_SCALES, topk_ptr is not None, weights_ptr is not None, VEC, GROUPS, KP,
                  TOKENS_PER_STEP)

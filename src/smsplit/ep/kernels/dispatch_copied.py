@@ -9,7 +9,7 @@ from smsplit import ptx
 from smsplit.trace import record_block
 
 from .common import (COPIES_WORD, CTX_COPIED, CTX_SIG, CTX_STATUS, CTX_TIMEOUT, FAIL_WORD, X_FREE_SLOT, column,
-                     failed_before, free_copy_stream, pick, rank_of, slot_of, state_of, wait_for_one)
+                     failed_before, free_copy_stream, pick, slot_of, wait_for_one)
 from .dispatch import TOKENS_PER_STEP, begin_dispatch, end_dispatch, push_tokens, receive_offsets, start_dispatch
 
 
@@ -68,7 +68,6 @@ def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, la
     offs = receive_offsets(ctx_ptr)
     push_tokens(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, T, H, K, R, dest_start, dest_base, copied, offs,
                 num_local_experts, X_BYTES, VEC, GROUPS, KP, RP)
-    state_ptr, rank = state_of(ctx_ptr), rank_of(ctx_ptr)  # (loaded again: neither held through the token loop)
     off_x = offs[0]
     row_bytes = H * X_BYTES
     n_groups = H // 128
