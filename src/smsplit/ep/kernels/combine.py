@@ -11,9 +11,10 @@ Registers: the sum holds nearly all 128 registers of a thread at 16 warps, where
 small change in what is loaded where moves spills from one Triton version's ptxas to another's). What the sum reads
 (this rank, the tokens, the slots per source, H, the combine area's typed pointer) are kernel parameters, which stay
 in the constant bank; the transport's other constants (region offsets, timeout, status and state words) are loaded
-from the context table before the sum, after it, or in its rare waits, so that none holds a register through it. The
-copied combine masks its tokens by the range it sums (``t_sum``) rather than T: with T, Triton 3.8's ptxas spilled 13
-words in its unweighted loop (none this way; the kernels' compile tests check that it does not spill).
+from the context table before the sum, after it, or in its rare waits, so that none holds a register through it, and
+the copied combine reads its copy-done count again after the sum (held, or with its tokens masked by the range it
+sums rather than T, Triton 3.9's or 3.8's ptxas spilled 64-84 bytes in the sum; the kernels' compile tests check that
+the copied combine does not spill).
 """
 
 import triton
@@ -222,7 +223,7 @@ def combine_copied_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, ou
     for t0 in range(pid * TB, t_sum, programs * TB):
         t = t0 + tl.arange(0, TB)
         pos = tl.load(pos_ptr + t.to(tl.int64)[:, None] * R + cols[None, :],
-                      mask=(t < t_sum)[:, None] & (cols[None, :] < R), other=-1)
+                      mask=(t < T)[:, None] & (cols[None, :] < R), other=-1)
         # [RP] the last copied row each source returns for these tokens (rows past the copies were pushed by the
         # source's SMs before the barrier above: a block whose last row was pushed may still hold copied rows of
         # the last chunk)
@@ -238,13 +239,15 @@ def combine_copied_kernel(y_ptr, yw_ptr, pos_ptr, ctx_ptr, cx_ptr, split_ptr, ou
                                  status_of(ctx_ptr), state_of(ctx_ptr) + FAIL_WORD, 9)
             tl.debug_barrier()
             landed = tl.maximum(landed, need)
-        sum_returned_rows(t, t < t_sum, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx_ptr, cw, max_tokens, out_ptr,
+        sum_returned_rows(t, t < T, pos_ptr, R, rank, self_start, y_bf16, yw_ptr, cx_ptr, cw, max_tokens, out_ptr,
                           out_w_ptr, H, K, HB, KP, RP, TB, False)
     # every source's chain has ended (its last flag, sent to every rank): see FREE_SLOT
     flags = (tl.load(ctx_ptr + rank) + tl.load(ctx_ptr + CTX_COPIED)).to(tl.pointer_type(tl.int32)) + R
     timeout_ns = tl.load(ctx_ptr + CTX_TIMEOUT)
     status_ptr = status_of(ctx_ptr)
     fail_ptr = state_of(ctx_ptr) + FAIL_WORD
+    copies_seen = tl.load(state_of(ctx_ptr) + COPIES_WORD + 1, volatile=True) + 1  # (as above: the last program
+    # stores it only after every program has come here)
     for d in range(R):
         if (d != rank) & (pick(landed, cols, d) < CHUNKS - 1):
             wait_for_one(flags + (CHUNKS - 1) * R + d, copies_seen, d, timeout_ns, status_ptr, fail_ptr, 9)
