@@ -16,36 +16,27 @@ from smsplit.launch import free_port
 def test_copy_engine_kernels_compile_with_their_ptx():
     text, cubin = ptx.compile_for_sm90(
         copy_engine.gate_kernel,
-        {"bases_ptr": "*i64", "arrive_off": "i64", "ack_off": "i64", "force_off": "i64", "status_addr": "i64", "fail_ptr": "*i32",
-         "rank": "i32", "R": "i32", "NC": "i32", "epoch": "i32", "timeout_ns": "i64", "phase": "i32"}, num_warps=1)
+        {"ctx_ptr": "*i64", "R": "i32", "combine": "i32", "epoch": "i32", "T": "i32", "chunk_tokens": "i32",
+         "self_start": "i32", "num_local_experts": "i32"}, num_warps=1)
     assert ptx.INSTRUCTIONS["st_release_sys"] in text and ptx.INSTRUCTIONS["ld_acquire_sys"] in text and cubin
-    sig = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32",
-           "bases_ptr": "*i64", "done_ptr": "*i32", "own_buf": "*u8", "recv_x": "*bf16", "recv_scales": "*fp32",
-           "recv_topk": "*i64", "recv_weights": "*fp32", "recv_src": "*i32", "T": "i32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32",
-           "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32", "num_local_experts": "i32",
-           "epoch": "i32", "off_sx": "i64", "off_ss": "i64", "off_stopk": "i64", "off_sw": "i64", "off_ssrc": "i64",
-           "off_ready": "i64", "X_BYTES": "constexpr", "QUANTIZE": "constexpr", "HAS_SCALES": "constexpr",
-           "HAS_TOPK": "constexpr", "HAS_WEIGHTS": "constexpr", "VEC": "constexpr", "GROUPS": "constexpr",
-           "KP": "constexpr", "RP": "constexpr", "TB": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64",
-           "trace_tag": "i32"}
-    consts = {"X_BYTES": 2, "QUANTIZE": False, "HAS_SCALES": False, "HAS_TOPK": True, "HAS_WEIGHTS": True,
-              "VEC": 1024, "GROUPS": 64, "KP": 16, "RP": 2, "TB": 4, "TRACE": False}
+    sig = {"x_ptr": "*i32", "topk_ptr": "*i64", "weights_ptr": "*fp32", "pos_ptr": "*i32", "ctx_ptr": "*i64",
+           "recv_x": "*bf16", "recv_scales": "*fp32", "recv_topk": "*i64", "recv_weights": "*fp32",
+           "recv_src": "*i32", "H": "i32", "K": "i32", "R": "i32", "trace_tag": "i32"}
+    consts = {"scales_ptr": None, "GROUPS": 64, "KP": 16, "RP": 2, "trace_ptr": None}
     text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, sig, consts, num_warps=8)
     for name in ("ld_global_nc_v4", "st_global_na_v4", "st_release_sys", "fence_acq_rel_sys"):
         assert ptx.INSTRUCTIONS[name] in text, name
-    text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, dict(sig, x_ptr="*bf16", recv_x="*fp8e4nv"),
-                                   dict(consts, QUANTIZE=True, X_BYTES=1, VEC=512), num_warps=8)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # FP8 quantization fused into the packing
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in text  # int32 words of x: moved as they are
+    text, _ = ptx.compile_for_sm90(copy_engine.pack_kernel, dict(sig, x_ptr="*bf16", recv_x="*fp8e4nv"), consts,
+                                   num_warps=8)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text  # a bf16 x: FP8 quantization fused into the packing
     # the e4m3 rows are packed in 16-byte stores (smsplit.ep.kernels.rows.load_tokens), not one byte at a time
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in text and not re.search(r"st\.global(\.\w+)*\.b8", text)
-    sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "bases_ptr": "*i64", "exit_ptr": "*i32",
-           "status_addr": "i64", "fail_ptr": "*i32", "own_buf": "*u8", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32", "K": "i32",
-           "R": "i32", "rank": "i32", "M": "i32", "NC": "i32", "chunk_tokens": "i32", "self_start": "i32",
-           "epoch": "i32", "off_cx": "i64", "off_cw": "i64", "off_cready": "i64", "off_cack": "i64",
-           "timeout_ns": "i64", "HB": "constexpr", "KP": "constexpr", "RP": "constexpr", "TB": "constexpr",
-           "HAS_WEIGHTS": "constexpr", "TRACE": "constexpr", "trace_ptr": "*i64", "trace_tag": "i32"}
-    text, _ = ptx.compile_for_sm90(copy_engine.reduce_kernel, sig, {"HB": 8192, "KP": 16, "RP": 2, "TB": 2,
-                                                                   "HAS_WEIGHTS": True, "TRACE": False}, num_warps=16)
+    sig = {"y_ptr": "*bf16", "yw_ptr": "*fp32", "pos_ptr": "*i32", "ctx_ptr": "*i64", "cx_ptr": "*bf16",
+           "out_ptr": "*bf16", "out_w_ptr": "*fp32", "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "M": "i32",
+           "trace_tag": "i32"}
+    text, _ = ptx.compile_for_sm90(copy_engine.reduce_kernel, sig, {"HB": 8192, "KP": 16, "RP": 2, "trace_ptr": None},
+                                   num_warps=16)
     assert ptx.INSTRUCTIONS["ld_acquire_sys"] in text and ptx.INSTRUCTIONS["st_release_sys"] in text
 
 

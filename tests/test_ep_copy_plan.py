@@ -160,6 +160,10 @@ def test_combine_chunks_follow_each_calls_sm_count():
         assert nvlink_plan.default_combine_chunks(num_sms) == fractions
         chunks, ends = tr._combine_split(lay, num_sms)  # source 0 sent 20 rows
         assert ends[0].tolist() == [round(20 * f) for f in fractions]
+        # the layout's receive rows and where each source's rows start follow the ends, where the copied combine
+        # kernel reads them
+        words = torch.as_strided(ends, (ends.numel() + 4,), (1,))
+        assert words[-4:].tolist() == [lay.num_recv_rows, 0, 20, 40]
     assert sorted(key for key in lay.splits) == [("combine", (0.4, 0.7, 0.9, 1.0)), ("combine", (0.5, 0.8, 1.0))]
     assert tr._combine_split(lay, 16) is lay.splits[("combine", (0.5, 0.8, 1.0))]
 
@@ -196,8 +200,21 @@ def test_a_bad_sm_count_is_refused_before_any_launch(num_sms):
     assert nvlink_plan.check_num_sms(np.int64(12)) == 12
 
 
-def test_scales_come_with_an_fp8_x_only():
-    tr = transport(0, 2, max_tokens=10)
+def copy_engine_transport(rank, num_ranks, max_tokens):
+    """A CopyEngineTransport with only the host-side state its argument checks read (no GPU, no buffer)."""
+    t = object.__new__(CopyEngineTransport)
+    t.rank, t.num_ranks, t.max_tokens, t.num_chunks = rank, num_ranks, max_tokens, 4
+    t.hidden, t.max_topk = 256, 8
+    t.status = torch.zeros(4, dtype=torch.int32)
+    t._status_words = t.status.numpy()
+    t.device = torch.device("cpu")
+    return t
+
+
+@pytest.mark.parametrize("make", [transport, copy_engine_transport], ids=["nvlink", "copy_engine"])
+def test_scales_come_with_an_fp8_x_only(make):
+    """(The copy-engine pack kernel tells FP8 rows by their scales: an FP8 x without them would be moved as BF16.)"""
+    tr = make(0, 2, max_tokens=10)
     in_rank = torch.ones(4, 2, dtype=torch.bool)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="scales: an FP8 x comes with its fp32 scales"):

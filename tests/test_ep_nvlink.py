@@ -26,14 +26,12 @@ DISPATCH_SIGNATURE = {"x_ptr": "*i32", "scales_ptr": "*fp32", "topk_ptr": "*i64"
                       "pos_ptr": "*i32", "layout_ptr": "*i32", "ctx_ptr": "*i64", "state_ptr": "*i32", "T": "i32",
                       "H": "i32", "K": "i32", "rank": "i32", "R": "i32", "num_local_experts": "i32",
                       "num_worst": "i32", "trace_ptr": "*i64", "trace_tag": "i32"}
-COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32",
-                     "bases_ptr": "*i64", "state_ptr": "*i32", "status_addr": "i64", "own_buf": "*u8",
-                     "chunk_ends_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32", "H": "i32",
-                     "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32", "off_cx": "i64",
-                     "off_cw": "i64", "off_chunk_ends": "i64", "sig_off": "i64", "off_copied": "i64",
-                     "timeout_ns": "i64", "trace_ptr": "*i64", "trace_tag": "i32"}
+COMBINE_SIGNATURE = {"y_ptr": "*i32", "yw_ptr": "*fp32", "layout_ptr": "*i32", "pos_ptr": "*i32", "ctx_ptr": "*i64",
+                     "cx_ptr": "*bf16", "split_ptr": "*i32", "out_ptr": "*bf16", "out_w_ptr": "*fp32", "T": "i32",
+                     "H": "i32", "K": "i32", "R": "i32", "rank": "i32", "max_tokens": "i32", "y_rows": "i32",
+                     "trace_ptr": "*i64", "trace_tag": "i32"}
 # the shapes of bench/ep.py (DeepSeek-V3: hidden 7168, top-8) on 2 ranks
-DISPATCH_SHAPE = {"GATE": False, "VEC": 1024, "GROUPS": 64, "KP": 8, "RP": 2}
+DISPATCH_SHAPE = {"GATE": False, "GROUPS": 64, "KP": 8, "RP": 2}
 
 
 def compile_kernel(kernel, signature, constexprs, absent=("trace_ptr",), **types):
@@ -64,7 +62,7 @@ def test_dispatch_kernel_pushes_16_byte_vectors_and_waits_for_every_source():
                               absent=("scales_ptr", "trace_ptr"))
     assert waits(gated) == 2
     # FP8 input with its scales: the same 16-byte moves, e4m3 rows
-    fp8, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, dict(DISPATCH_SHAPE, VEC=512))
+    fp8, _ = compile_kernel(nvlink.dispatch_kernel, DISPATCH_SIGNATURE, DISPATCH_SHAPE)
     assert ptx.INSTRUCTIONS["st_global_na_v4"] in fp8 and waits(fp8) == 1
     assert not re.search(r"st\.global(\.\w+)*\.b8", fp8)
     # traced: the program's record at the end (SM id and the global timer)
@@ -75,7 +73,7 @@ def test_dispatch_kernel_pushes_16_byte_vectors_and_waits_for_every_source():
 @pytest.mark.compile
 def test_fp8_dispatch_kernel_quantizes_packed_words_and_stores_16_byte_vectors():
     sig = {name: kind for name, kind in DISPATCH_SIGNATURE.items() if name != "scales_ptr"}
-    text, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512), x_ptr="*bf16")
+    text, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, DISPATCH_SHAPE, x_ptr="*bf16")
     # FP8 quantization fused into the dispatch, on packed bf16 words
     for name in ("bf16x8_absmax_bits", "e4m3x4_from_bf16x4"):
         assert ptx.INSTRUCTIONS[name] in text, name
@@ -90,11 +88,10 @@ def test_fp8_dispatch_kernel_quantizes_packed_words_and_stores_16_byte_vectors()
                              absent=("scales_ptr", "trace_ptr"))
     assert text.count("bar.sync") == bf16.count("bar.sync") and ptx.INSTRUCTIONS["st_global_b32"] in text
     assert waits(text) == 1
-    gated, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512, GATE=True),
-                              x_ptr="*bf16")
+    gated, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, GATE=True), x_ptr="*bf16")
     assert waits(gated) == 2
     for dtype in ("*fp32", "*fp16"):  # other float x: loaded and quantized as fp32 values, the same stores
-        other, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, dict(DISPATCH_SHAPE, VEC=512), x_ptr=dtype)
+        other, _ = compile_kernel(nvlink.dispatch_fp8_kernel, sig, DISPATCH_SHAPE, x_ptr=dtype)
         assert ptx.INSTRUCTIONS["e4m3x4_from_bf16x4"] in other and ptx.INSTRUCTIONS["st_global_na_v4"] in other
 
 
@@ -158,13 +155,13 @@ def test_dispatch_issues_a_steps_row_loads_together(ranks, copies):
     assert moves.count("S") == 8 * ranks, moves
 
 
-def compile_combine(weights=True, **constexprs):
-    """The combine kernel compiled with the bench's shape on 2 ranks (top-k weights or none), ``constexprs``
-    changed."""
+def compile_combine(weights=True, copies=False, **constexprs):
+    """The combine kernel (``copies``: the one beside copy engines, its rows in four chunks) compiled with the
+    bench's shape on 2 ranks (top-k weights or none), ``constexprs`` changed."""
     absent = ("trace_ptr",) if weights else ("trace_ptr", "yw_ptr", "out_w_ptr")
-    return compile_kernel(nvlink.combine_kernel, COMBINE_SIGNATURE,
-                          {"HB": 8192, "KP": 8 if weights else 1, "RP": 2, "WAIT_COPIES": False, "CHUNKS": 1,
-                           **constexprs}, absent=absent)
+    kernel = nvlink.combine_copied_kernel if copies else nvlink.combine_kernel
+    shape = {"HB": 8192, "KP": 8 if weights else 1, "RP": 2, **({"CHUNKS": 4} if copies else {}), **constexprs}
+    return compile_kernel(kernel, COMBINE_SIGNATURE, shape, absent=absent)
 
 
 @pytest.mark.compile
@@ -177,7 +174,7 @@ def test_combine_kernel_compiles_with_its_ptx():
     assert re.search(r"ld\.global\.cg\.v4", text)  # the rows that came back are read 16 bytes at a time
     assert not re.search(r"ld\.global(\.\w+)*\.b16", text)
     # copy engines return the rows: more bounded waits, for their chunks' copy-done flags
-    copied, _ = compile_combine(WAIT_COPIES=True, CHUNKS=4)
+    copied, _ = compile_combine(copies=True)
     assert waits(copied) > waits(text) and re.search(r"ld\.global\.cg\.v4", copied)
     # the counter bump after a copy chain never waits (a spinning kernel there could hold an SM a peer's combine
     # needs); a combine's copies wait for the peers' sums by stream memory operations
@@ -185,15 +182,12 @@ def test_combine_kernel_compiles_with_its_ptx():
     assert ptx.INSTRUCTIONS["wait_geq_sys"] not in plain
 
 
-def test_kernels_take_about_20_parameters_and_per_call_values_do_not_recompile():
-    """Each dispatch kernel's signature is what it needs (about 20 parameters, constexprs included); the combine
-    keeps its 31 (see `smsplit.ep.kernels.combine`: split or with loaded constants, its sum spilled under Triton
-    3.7-3.9). The values that change from call to call (a trace's tag, a receive size) are not specialized on."""
-    kernels = (nvlink.notify_kernel, nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel)
+def test_per_call_values_do_not_recompile():
+    """The values that change from call to call (a trace's tag, a receive size) are not specialized on (the
+    kernels' parameter counts: tests/test_ep_kernel_params.py)."""
+    kernels = (nvlink.dispatch_kernel, nvlink.dispatch_fp8_kernel, nvlink.dispatch_copied_kernel,
+               nvlink.combine_kernel, nvlink.combine_copied_kernel)
     for kernel in kernels:
-        assert len(kernel.params) <= 23, (kernel.fn.__name__, len(kernel.params))
-    assert len(nvlink.combine_kernel.params) <= 31
-    for kernel in kernels[1:] + (nvlink.combine_kernel,):
         assert "trace_tag" in [p.name for p in kernel.params if p.do_not_specialize], kernel.fn.__name__
     assert "y_rows" in [p.name for p in nvlink.combine_kernel.params if p.do_not_specialize]
 
@@ -219,7 +213,7 @@ def test_combine_kernel_does_not_spill_with_two_ranks():
     top-k weights, keeps its registers (with weights in the rows' loop it spilled 76 bytes and a weighted combine
     took 258 us against 204 without, at 20 SMs on 2 H200; BENCHMARKS.md §2)."""
     for weights in (False, True):
-        text, _ = compile_combine(weights, WAIT_COPIES=True, CHUNKS=4)
+        text, _ = compile_combine(weights, copies=True)
         assert _spill_bytes(text) == 0, f"weights {weights}"
 
 

@@ -195,10 +195,12 @@ def test_release_atomic_runs_once_per_program():
 def test_a_new_trace_tag_does_not_recompile_traced_kernels():
     # Triton specializes integer arguments (0, 1, multiples of 16); a tag id is data, not shape:
     # a kernel recompiled mid-trace would stall its stream for tens of milliseconds.
-    from smsplit.ep.nvlink import combine_kernel, dispatch_kernel
+    from smsplit.ep.copy_engine import pack_kernel, reduce_kernel
+    from smsplit.ep.nvlink import combine_copied_kernel, combine_kernel, dispatch_kernel
 
     for kernel, tag in ((persistent_copy_kernel, "tag"), (_probe_kernel, "tag"),
-                        (dispatch_kernel, "trace_tag"), (combine_kernel, "trace_tag")):
+                        (dispatch_kernel, "trace_tag"), (combine_kernel, "trace_tag"),
+                        (combine_copied_kernel, "trace_tag"), (pack_kernel, "trace_tag"), (reduce_kernel, "trace_tag")):
         assert tag in [p.name for p in kernel.params if p.do_not_specialize]
 
 

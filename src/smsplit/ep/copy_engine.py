@@ -14,6 +14,7 @@ import torch.distributed as dist
 from smsplit.cuda_driver import StreamOps
 from smsplit.launch import FastLaunch
 
+from .kernels import copy_engine as kernels
 from .kernels.copy_engine import gate_kernel, pack_kernel, reduce_kernel
 from .layout import next_pow2 as _pow2
 from .layout import token_positions
@@ -30,7 +31,6 @@ PHASES = {5: "dispatch: waiting for rank {peer} to enter the dispatch",
           9: "combine: waiting for rank {peer} to finish the previous combine"}
 
 
-TOKENS_PER_STEP = 4  # tokens a pack program moves per step
 launch_gate, launch_pack, launch_reduce = FastLaunch(gate_kernel), FastLaunch(pack_kernel), FastLaunch(reduce_kernel)
 
 
@@ -110,12 +110,17 @@ class CopyEngineTransport:
         self.buffer, self.handle = symmetric_buffer(total, torch.uint8, group, self.device)
         self.buffer[: self.offsets["sx"]].zero_()
         self.base_addrs = list(self.handle.buffer_ptrs)
-        self.bases = torch.tensor(self.base_addrs, dtype=torch.int64, device=self.device)
         self.done = torch.zeros(num_chunks + 1, dtype=torch.int32, device=self.device)  # pack chunks, reduce exit
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
         self.failed = torch.zeros(1, dtype=torch.int32, device=self.device)  # set by a wait that timed out
-        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent tensors
+        self.call = torch.zeros(2, kernels.CALL_WORDS.value, dtype=torch.int32, device=self.device)  # the gates'
+        self.ctx = torch.tensor(self._context_table(), dtype=torch.int64, device=self.device)
+        rows = self.num_ranks * max_tokens  # this rank's combine area: bf16 rows, then (right after) fp32 weights
+        if self.offsets["cw"] != self.offsets["cx"] + rows * hidden * 2:
+            raise AssertionError("the combine area's weights must follow its rows (the reduce kernel derives them)")
+        self._cx = self.buffer[self.offsets["cx"]: self.offsets["cw"]].view(torch.bfloat16)
+        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent received tensors
         self._dummy_i64 = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ops = StreamOps(self.device)
         self.copy_streams = [self.ops.new_stream() for _ in range(num_copy_streams)]
@@ -123,6 +128,24 @@ class CopyEngineTransport:
         self.combine_epoch = 0
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group, device_ids=[self.device.index])
+
+    def _context_table(self) -> list:
+        """The words of this rank's context table (`smsplit.ep.kernels.copy_engine`): every rank's buffer address,
+        then the constants the kernels load."""
+        words = [0] * kernels.CE_WORDS
+        words[:self.num_ranks] = self.base_addrs
+        gate = [self.offsets[name] for name in ("dispatch_arrive", "dispatch_ack", "ready", "combine_arrive",
+                                                "combine_ack", "combine_ready")]
+        for index, value in ((kernels.CE_TIMEOUT, self.timeout_ns), (kernels.CE_STATUS, self.status.data_ptr()),
+                             (kernels.CE_FAIL, self.failed.data_ptr()), (kernels.CE_DONE, self.done.data_ptr()),
+                             (kernels.CE_CALL, self.call.data_ptr()), (kernels.CE_RANK, self.rank),
+                             (kernels.CE_M, self.max_tokens), (kernels.CE_NC, self.num_chunks),
+                             (kernels.CE_SX, self.offsets["sx"]), (kernels.CE_SS, self.offsets["ss"]),
+                             (kernels.CE_STOPK, self.offsets["stopk"]), (kernels.CE_SW, self.offsets["sw"]),
+                             (kernels.CE_SSRC, self.offsets["ssrc"]),
+                             *((kernels.CE_GATE + i, offset) for i, offset in enumerate(gate))):
+            words[int(index)] = value
+        return words
 
     @staticmethod
     @functools.lru_cache(maxsize=256)  # (every eager Buffer call checks its arguments against it)
@@ -191,6 +214,11 @@ class CopyEngineTransport:
                         ("is_token_in_rank", is_token_in_rank)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name}: the kernels index rows densely; pass a contiguous tensor")
+        fp8_in = x.dtype == torch.float8_e4m3fn
+        if quantize and fp8_in:
+            raise ValueError("quantize: x is already FP8 (pass its scales instead)")
+        if (scales is not None) != fp8_in and not quantize:  # (the pack kernel knows FP8 rows by their scales)
+            raise ValueError("scales: an FP8 x comes with its fp32 scales (one per 128 values), any other x without")
         if cached is not None:
             if cached.num_tokens != T:
                 raise ValueError(f"cached: the cached layout is for {cached.num_tokens} tokens, x has {T}")
@@ -198,7 +226,7 @@ class CopyEngineTransport:
         else:
             layout = self.layout(is_token_in_rank, num_worst_tokens)
         rows, total = layout.num_recv_rows, layout.num_recv_tokens
-        x_bytes = 1 if (quantize or x.dtype == torch.float8_e4m3fn) else 2
+        x_bytes = 1 if (quantize or fp8_in) else 2
         G = H // SCALE_BLOCK
         stream = torch.cuda.current_stream(self.device.index)
         dev = self.device
@@ -209,27 +237,18 @@ class CopyEngineTransport:
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
         self.dispatch_epoch += 1
         epoch = self.dispatch_epoch
-        launch_gate(1, self.bases, self.offsets["dispatch_arrive"], self.offsets["dispatch_ack"],
-                    self.offsets["ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch, self.timeout_ns, 5,
+        launch_gate(1, self.ctx, R, 0, epoch, T, layout.chunk_tokens, layout.recv_start[me], num_local_experts,
                     num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
-        trace_view, tag = trace.slots(num_sms, "pack", "comm") if trace is not None else (recv_src, 0)
+        trace_view, tag = trace.slots(num_sms, "pack", "comm") if trace is not None else (None, 0)
         launch_pack(
             num_sms,
-            x if quantize else x.view(torch.uint8).view(torch.int32), scales if scales is not None else recv_src,
-            topk_idx if topk_idx is not None else recv_src, topk_weights if topk_weights is not None else recv_src,
-            layout.pos, self.bases, self.done, self.buffer, recv_x,
-            recv_scales if recv_scales is not None else self._dummy_f32,
+            x if quantize else x.view(torch.uint8).view(torch.int32), scales, topk_idx, topk_weights, layout.pos,
+            self.ctx, recv_x, recv_scales if recv_scales is not None else self._dummy_f32,
             recv_topk if recv_topk is not None else self._dummy_i64,
-            recv_weights if recv_weights is not None else self._dummy_f32, recv_src, T, H, max(K, 1), R, me, self.max_tokens, NC, layout.chunk_tokens,
-            layout.recv_start[me], num_local_experts, epoch,
-            self.offsets["sx"], self.offsets["ss"], self.offsets["stopk"], self.offsets["sw"], self.offsets["ssrc"],
-            self.offsets["ready"],
-            X_BYTES=x_bytes, QUANTIZE=quantize, HAS_SCALES=scales is not None, HAS_TOPK=topk_idx is not None,
-            HAS_WEIGHTS=topk_weights is not None, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(G),
-            KP=_pow2(max(K, 1)), RP=_pow2(R), TB=TOKENS_PER_STEP, TRACE=trace is not None,
-            trace_ptr=trace_view, trace_tag=tag, num_warps=8,
+            recv_weights if recv_weights is not None else self._dummy_f32, recv_src, H, max(K, 1), R,
+            GROUPS=_pow2(G), KP=_pow2(max(K, 1)), RP=_pow2(R), trace_ptr=trace_view, trace_tag=tag, num_warps=8,
         )
         row_bytes = H * x_bytes
         finished = []
@@ -284,9 +303,7 @@ class CopyEngineTransport:
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
         self.combine_epoch += 1
         epoch = self.combine_epoch
-        launch_gate(1, self.bases, self.offsets["combine_arrive"], self.offsets["combine_ack"],
-                    self.offsets["combine_ready"], self.status.data_ptr(), self.failed, me, R, NC, epoch,
-                    self.timeout_ns, 8, num_warps=1)
+        launch_gate(1, self.ctx, R, 1, epoch, T, layout.chunk_tokens, layout.recv_start[me], 0, num_warps=1)
         entered = torch.cuda.Event()
         entered.record(stream)
         finished = []
@@ -307,16 +324,9 @@ class CopyEngineTransport:
             done = torch.cuda.Event()
             done.record(cs)
             finished.append(done)
-        trace_view, tag = trace.slots(num_sms, "reduce", "comm") if trace is not None else (out, 0)
-        launch_reduce(
-            num_sms,
-            y, y_weights if y_weights is not None else out, layout.pos, self.bases, self.done[NC:],
-            self.status.data_ptr(), self.failed, self.buffer, out, out_w if out_w is not None else out, T, H, K, R, me, self.max_tokens, NC,
-            layout.chunk_tokens, layout.recv_start[me], epoch, self.offsets["cx"], self.offsets["cw"],
-            self.offsets["combine_ready"], self.offsets["combine_ack"], self.timeout_ns,
-            HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), TB=2, HAS_WEIGHTS=y_weights is not None,
-            TRACE=trace is not None, trace_ptr=trace_view, trace_tag=tag, num_warps=16,
-        )
+        trace_view, tag = trace.slots(num_sms, "reduce", "comm") if trace is not None else (None, 0)
+        launch_reduce(num_sms, y, y_weights, layout.pos, self.ctx, self._cx, out, out_w, H, K, R, me, self.max_tokens,
+                      HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), trace_ptr=trace_view, trace_tag=tag, num_warps=16)
         for done in finished:
             stream.wait_event(done)
         return out, out_w

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from smsplit.cuda_driver import StreamOps
 from smsplit.launch import FastLaunch
 
-from .kernels.combine import combine_kernel
+from .kernels.combine import combine_copied_kernel, combine_kernel
 from .kernels.common import FREE_SLOT, STATE_WORDS, WAITS, X_FREE_SLOT
 from .kernels.dispatch import dispatch_kernel
 from .kernels.dispatch_copied import dispatch_copied_kernel
@@ -69,7 +69,7 @@ NUM_WARPS = 16  # per program of the dispatch and combine kernels (FP8 dispatch 
 launch_bump, launch_notify = FastLaunch(bump_kernel), FastLaunch(notify_kernel)
 launch_dispatch, launch_dispatch_fp8 = FastLaunch(dispatch_kernel), FastLaunch(dispatch_fp8_kernel)
 launch_dispatch_copied = FastLaunch(dispatch_copied_kernel)
-launch_combine = FastLaunch(combine_kernel)
+launch_combine, launch_combine_copied = FastLaunch(combine_kernel), FastLaunch(combine_copied_kernel)
 
 
 @dataclass
@@ -165,10 +165,13 @@ class NvlinkTransport:
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self._status_words = self.status.numpy()  # (the same memory: a read without torch's per-call work)
         self.base_addrs = list(self.handle.buffer_ptrs)
-        self.ctx = torch.tensor(context_table(self.base_addrs, self.offsets, self.timeout_ns, self.status.data_ptr()),
-                                dtype=torch.int64, device=self.device)
+        self.ctx = torch.tensor(context_table(self.base_addrs, self.offsets, self.timeout_ns, self.status.data_ptr(),
+                                              self.rank, self.state.data_ptr()), dtype=torch.int64, device=self.device)
+        # this rank's combine area: bf16 rows, then (right after: the combine kernels derive them) fp32 weights
+        if self.offsets["cw"] != self.offsets["cx"] + self.num_ranks * max_tokens * hidden * 2:
+            raise AssertionError("the combine area's weights must follow its rows")
+        self._cx = self.buffer[self.offsets["cx"]: self.offsets["cw"]].view(torch.bfloat16)
         self._views = {}  # `_view`'s views of self.buffer
-        self._all_by_sms = torch.zeros(self.num_ranks, 1, dtype=torch.int32, device=self.device)  # chunk ends: none
         self.bulk = bulk
         if bulk == "copy_engine":
             self.ops = StreamOps(self.device)
@@ -257,7 +260,8 @@ class NvlinkTransport:
         if key not in layout.splits:
             starts = layout.layout[self.num_ranks: 2 * self.num_ranks + 1].tolist()  # then the total
             self.raise_if_failed()
-            layout.splits[key] = combine_split(self.rank, starts, fractions, self.device)
+            layout.splits[key] = combine_split(self.rank, starts, fractions, self.device,
+                                               call_words=(layout.num_recv_rows, *starts))
         return layout.splits[key]
 
     def plan(self, layout: NvlinkLayout, is_token_in_rank: torch.Tensor, *, num_sms: int) -> None:
@@ -405,25 +409,25 @@ class NvlinkTransport:
             pos = split.pos
         trace_view, tag = trace.slots(num_sms, "dispatch", "comm") if trace is not None else (None, 0)
         kp, rp, gate = _pow2(max(K, 1)), _pow2(R), cached is not None
-        meta = (topk_idx, topk_weights, pos, layout, self.ctx, self.state, T, H, max(K, 1), self.rank, R,
-                num_local_experts, num_worst_tokens)
-        if quantize:
-            launch_dispatch_fp8(num_sms, x, *meta, GATE=gate, VEC=_pow2(H // 16), GROUPS=_pow2(H // SCALE_BLOCK),
-                                KP=kp, RP=rp, trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS)
+        meta = (topk_idx, topk_weights, pos, layout, self.ctx, T, H, max(K, 1), R, num_local_experts,
+                num_worst_tokens)
+        consts = dict(GATE=gate, GROUPS=_pow2(H // SCALE_BLOCK), KP=kp, RP=rp, trace_ptr=trace_view, trace_tag=tag,
+                      num_warps=NUM_WARPS)
+        if quantize:  # (its state words and rank as parameters: `smsplit.ep.kernels.dispatch_fp8`)
+            launch_dispatch_fp8(num_sms, x, *meta[:5], self.state, T, H, max(K, 1), self.rank, R, num_local_experts,
+                                num_worst_tokens, **consts)
         else:
-            args = (x.view(torch.uint8).view(torch.int32), scales, *meta[:6])
-            consts = dict(GATE=gate, VEC=_pow2(H * x_bytes // 16), GROUPS=_pow2(H // SCALE_BLOCK), KP=kp, RP=rp,
-                          trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS)
+            args = (x.view(torch.uint8).view(torch.int32), scales, *meta[:5])
             if copies:  # the kernel moves this rank's own rows, the rest, and metadata beside the copies
                 inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
-                launch_dispatch_copied(num_sms, *args, split.plan, *meta[6:], **consts)
+                launch_dispatch_copied(num_sms, *args, split.plan, *meta[5:], **consts)
                 row_bytes = H * x_bytes
                 copied = self._copy([([(self.base_addrs[peer] + self.offsets["x"] + row * row_bytes, x.data_ptr(),
                                         m * row_bytes) for peer, m, row in split.copies], 0, self._peers)], 0,
                                     after=inputs_ready)  # (every peer waits for this rank's flag)
                 torch.cuda.current_stream(self.device.index).wait_event(copied)
             else:
-                launch_dispatch(num_sms, *args, *meta[6:], **consts)
+                launch_dispatch(num_sms, *args, *meta[5:], **consts)
         result = dataclasses.replace(plans, sent_pos=pos)  # for this dispatch's combine (the plans are shared)
         n_groups = H // SCALE_BLOCK
         recv_x = self._view("x", torch.float8_e4m3fn if x_bytes == 1 else torch.bfloat16, (rows, H))
@@ -453,20 +457,18 @@ class NvlinkTransport:
                              "combine with its SM count has used (its copies are planned on the host)")
         out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty(T, K, dtype=torch.float32, device=self.device) if y_weights is not None else None
-        chunk_ends = self._all_by_sms
         if copies:
-            chunks, chunk_ends = self._combine_split(layout, num_sms)
+            chunks, split = self._combine_split(layout, num_sms)
             inputs_ready = torch.cuda.current_stream(self.device.index).record_event()
         trace_view, tag = trace.slots(num_sms, "combine", "comm") if trace is not None else (None, 0)
-        launch_combine(
-            num_sms,
-            y.view(torch.uint8).view(torch.int32), y_weights, layout.layout, layout.sent_pos, self.ctx, self.state,
-            self.status.data_ptr(), self.buffer, chunk_ends, out, out_w, T, H, K, R, self.rank, self.max_tokens,
-            layout.num_recv_rows, self.offsets["cx"], self.offsets["cw"], self.offsets["chunk_ends"],
-            self.offsets["signals"], self.offsets["copied"] + 4 * R, self.timeout_ns,
-            HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), WAIT_COPIES=copies, CHUNKS=chunk_ends.size(1),
-            trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS,
-        )  # (bases_ptr: the context table, whose first words are every rank's buffer address)
+        y_words = y.view(torch.uint8).view(torch.int32)
+        consts = dict(HB=_pow2(H), KP=_pow2(K), RP=_pow2(R), trace_ptr=trace_view, trace_tag=tag, num_warps=NUM_WARPS)
+        if copies:
+            launch_combine_copied(num_sms, y_words, y_weights, layout.sent_pos, self.ctx, self._cx, split, out, out_w,
+                                  T, H, K, R, self.rank, self.max_tokens, CHUNKS=split.size(1), **consts)
+        else:
+            launch_combine(num_sms, y_words, y_weights, layout.layout, layout.sent_pos, self.ctx, self._cx, out, out_w,
+                           T, H, K, R, self.rank, self.max_tokens, layout.num_recv_rows, **consts)
         if copies:  # queued after the kernel (which pushes the weights and sums as chunks land)
             row_bytes = H * 2
             copied = self._copy([([(self.base_addrs[source] + self.offsets["cx"]

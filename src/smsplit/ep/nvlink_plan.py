@@ -37,16 +37,20 @@ def region_bytes(R: int, M: int, H: int, K: int) -> dict:
             "cx": R * M * H * 2, "cw": R * M * K * 4}
 
 
-def context_table(bases: list, offsets: dict, timeout_ns: int, status_addr: int) -> list:
+def context_table(bases: list, offsets: dict, timeout_ns: int, status_addr: int, rank: int = 0,
+                  state_addr: int = 0) -> list:
     """The words of a transport's context table (`smsplit.ep.kernels.common`): every rank's buffer address, then
-    the constants the kernels load."""
+    the constants the kernels load (``state_addr``: this rank's local state words)."""
     words = [0] * common.CTX_WORDS
     words[:len(bases)] = bases
     for index, value in ((common.CTX_TIMEOUT, timeout_ns), (common.CTX_STATUS, status_addr),
                          (common.CTX_SIG, offsets["signals"]), (common.CTX_COUNTS, offsets["counts"]),
                          (common.CTX_X, offsets["x"]), (common.CTX_SCALES, offsets["scales"]),
                          (common.CTX_TOPK, offsets["topk"]), (common.CTX_WEIGHTS, offsets["weights"]),
-                         (common.CTX_SRC, offsets["src"]), (common.CTX_COPIED, offsets["copied"])):
+                         (common.CTX_SRC, offsets["src"]), (common.CTX_COPIED, offsets["copied"]),
+                         (common.CTX_CX, offsets["cx"]), (common.CTX_CW, offsets["cw"]),
+                         (common.CTX_CHUNK_ENDS, offsets["chunk_ends"]), (common.CTX_RANK, rank),
+                         (common.CTX_STATE, state_addr)):
         words[index.value] = value
     return words
 
@@ -129,11 +133,13 @@ def default_combine_chunks(num_sms: int) -> tuple[float, ...]:
     return (0.4, 0.7, 0.9, 1.0) if num_sms >= 20 else (0.5, 0.8, 1.0)
 
 
-def combine_split(rank: int, starts: list, fractions: tuple, device):
+def combine_split(rank: int, starts: list, fractions: tuple, device, call_words: tuple = ()):
     """``(chunks, chunk_ends)`` of a combine whose copy engines return every row received from each source
     (``starts``: where each source's rows start here, then the total), cut into ``fractions``: ``chunks[c]`` lists
     the copies ``(source, first row, rows, first slot)`` of chunk c, ``chunk_ends`` (int32 device ``[R,
-    len(fractions)]``) where each source's chunks end, counted in rows received from it."""
+    len(fractions)]``) where each source's chunks end, counted in rows received from it. ``call_words``: values of
+    the layout that follow the ends in the same device memory (`smsplit.ep.kernels.combine.combine_copied_kernel`
+    reads its tokens and receive rows there: made once per layout and chunking, they cost no call a copy)."""
     R = len(starts) - 1
     ends = np.zeros((R, len(fractions)), np.int32)
     chunks = [[] for _ in fractions]
@@ -147,4 +153,5 @@ def combine_split(rank: int, starts: list, fractions: tuple, device):
             if end > begin:
                 chunks[c].append((source, starts[source] + begin, end - begin, begin))
             begin = end
-    return chunks, torch.tensor(ends, device=device)
+    words = torch.tensor(np.concatenate([ends.ravel(), np.asarray(call_words, np.int32)]), device=device)
+    return chunks, words[:ends.size].view(ends.shape)

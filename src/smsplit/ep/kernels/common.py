@@ -2,9 +2,9 @@
 
 Each rank's `NvlinkTransport` keeps a context table (int64, `CTX_WORDS`): the addresses of every rank's symmetric
 buffer in ``[0, MAX_RANKS)``, then the transport's constants (`CTX_TIMEOUT` ...): the region offsets of the buffer,
-the timeout and the pinned status word. A kernel takes the table as one pointer and loads what it uses, so that its
-signature holds what varies per call. (The combine takes them as parameters, with the table as its ``bases_ptr``:
-`smsplit.ep.kernels.combine` says why.)
+the timeout, the pinned status words, this rank and its state words. A kernel takes the table as one pointer and
+loads what it uses, so that its signature holds what varies per call (and the few constants its hot loop reads: a
+kernel parameter stays in the constant bank, where a loaded value holds a register through the loop).
 """
 
 import triton
@@ -24,7 +24,12 @@ CTX_TOPK = tl.constexpr(22)
 CTX_WEIGHTS = tl.constexpr(23)
 CTX_SRC = tl.constexpr(24)
 CTX_COPIED = tl.constexpr(25)  # copy-done flags (dispatch: word [s]; combine chunk c: word (1 + c) * R + s)
-CTX_WORDS = 26
+CTX_CX = tl.constexpr(26)  # combine area: rows, weights
+CTX_CW = tl.constexpr(27)
+CTX_CHUNK_ENDS = tl.constexpr(28)  # where each source's combine chunks end (bulk="copy_engine")
+CTX_RANK = tl.constexpr(29)  # this rank
+CTX_STATE = tl.constexpr(30)  # address of this rank's local state words (int32, `STATE_WORDS`)
+CTX_WORDS = 31
 
 # local state words (per rank, not shared): [phase] arrivals per source seen so far, [FINISHED_WORD] dispatches
 # this rank has finished, [4 + phase] programs of the current launch that have finished, [FAIL_WORD] set once a
@@ -68,6 +73,18 @@ WAITS = {1: "notify: waiting for rank {peer}'s token counts",
 def status_of(ctx_ptr):
     """The pinned status words (int32 pointer) the table names."""
     return tl.load(ctx_ptr + CTX_STATUS).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def state_of(ctx_ptr):
+    """This rank's local state words (int32 pointer) the table names."""
+    return tl.load(ctx_ptr + CTX_STATE).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def rank_of(ctx_ptr):
+    """This rank (int32), from the table."""
+    return tl.load(ctx_ptr + CTX_RANK).to(tl.int32)
 
 
 @triton.jit

@@ -15,11 +15,23 @@ from smsplit.trace import record_block
 
 from .common import (COPIES_WORD, CTX_COPIED, CTX_SCALES, CTX_SIG, CTX_SRC, CTX_STATUS, CTX_TIMEOUT, CTX_TOPK,
                      CTX_WEIGHTS, CTX_X, FAIL_WORD, FINISHED_WORD, STARTED_SLOT, X_FREE_SLOT, column, failed_before,
-                     finish, local_experts, pick, signal_all, slot_of, wait_for_ranks)
+                     finish, local_experts, pick, rank_of, signal_all, slot_of, state_of, wait_for_ranks)
 from .rows import load_tokens
 
 TOKENS_PER_STEP = tl.constexpr(4)  # tokens a program moves per step (BF16 / FP8 dispatch 258 / 440 us at 1, 224 /
 # 245 at 4, 222 / 372 at 8: docs/design-notes.md)
+
+
+@triton.jit
+def begin_dispatch(ctx_ptr):
+    """What a dispatch kernel reads first: ``(state_ptr, rank, expected, finished)``, this rank's state words and
+    rank (from the context table), the arrivals per source its end waits for and the dispatches finished before this
+    one (read before any program of this launch can finish). The kernel then returns at once if an earlier wait
+    failed (`failed_before`), else starts (`start_dispatch`)."""
+    state_ptr = state_of(ctx_ptr)
+    expected = tl.load(state_ptr + 1, volatile=True)
+    finished = tl.load(state_ptr + FINISHED_WORD, volatile=True)
+    return state_ptr, rank_of(ctx_ptr), expected, finished
 
 
 @triton.jit
@@ -172,23 +184,24 @@ def push_tokens(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, T, H, K, R, d
 
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
-def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_ptr, state_ptr,
-                    T, H, K, rank, R, num_local_experts, num_worst,
-                    GATE: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+def dispatch_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_ptr,
+                    T, H, K, R, num_local_experts, num_worst,
+                    GATE: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                     trace_ptr, trace_tag):
     """Push every token's row (x as int32 words: BF16, or FP8 e4m3 when ``scales_ptr`` is given, with its fp32
     scales, one per 128 values) with 16-byte non-caching loads and stores into every destination's receive rows,
     and its top-k (as the destination's local expert ids), weights and index beside it. ``topk_ptr``,
-    ``weights_ptr``, ``scales_ptr``, ``trace_ptr``: None when absent. GATE: a cached dispatch (`start_dispatch`)."""
+    ``weights_ptr``, ``scales_ptr``, ``trace_ptr``: None when absent. GATE: a cached dispatch (`start_dispatch`).
+    GROUPS: the scales of a row (``H / 128``) as a power of two; a row's 16-byte vectors (VEC) follow from it."""
     if trace_ptr is not None:
         t_start = ptx.globaltimer()
-    expected = tl.load(state_ptr + 1, volatile=True)
-    finished = tl.load(state_ptr + FINISHED_WORD, volatile=True)  # dispatches before this one
+    state_ptr, rank, expected, finished = begin_dispatch(ctx_ptr)
     if failed_before(state_ptr):
         return
     start_dispatch(ctx_ptr, state_ptr, rank, R, finished, GATE, False)
     HAS_SCALES: tl.constexpr = scales_ptr is not None  # FP8 rows
     X_BYTES: tl.constexpr = 1 if HAS_SCALES else 2
+    VEC: tl.constexpr = GROUPS * 8 * X_BYTES  # (H a multiple of 128: the power of two above H * X_BYTES / 16)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(ctx_ptr + cols, mask=cols < R, other=0)

@@ -8,9 +8,9 @@ import triton.language as tl
 from smsplit import ptx
 from smsplit.trace import record_block
 
-from .common import (COPIES_WORD, CTX_COPIED, CTX_SIG, CTX_STATUS, CTX_TIMEOUT, FAIL_WORD, FINISHED_WORD, X_FREE_SLOT,
-                     column, failed_before, free_copy_stream, pick, slot_of, wait_for_one)
-from .dispatch import TOKENS_PER_STEP, end_dispatch, push_tokens, receive_offsets, start_dispatch
+from .common import (COPIES_WORD, CTX_COPIED, CTX_SIG, CTX_STATUS, CTX_TIMEOUT, FAIL_WORD, X_FREE_SLOT, column,
+                     failed_before, free_copy_stream, pick, slot_of, wait_for_one)
+from .dispatch import TOKENS_PER_STEP, begin_dispatch, end_dispatch, push_tokens, receive_offsets, start_dispatch
 
 
 @triton.jit
@@ -39,10 +39,10 @@ def fill_holes(x_ptr, pos_ptr, H, R, copied, fill_from, fill_to, dest_start, des
 
 
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
-def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_ptr, state_ptr,
-                           plan_ptr, T, H, K, rank, R, num_local_experts, num_worst,
-                           GATE: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr,
-                           RP: tl.constexpr, trace_ptr, trace_tag):
+def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_ptr, plan_ptr,
+                           T, H, K, R, num_local_experts, num_worst,
+                           GATE: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                           trace_ptr, trace_tag):
     """`smsplit.ep.kernels.dispatch.dispatch_kernel` beside this rank's copies: ``plan_ptr`` (int32 ``[R + 2]``)
     holds ``copied[d]``, the rows the copy engines move to each rank d (0: the kernel pushes them all), then
     ``fill_from, fill_to``: the tokens that fill holes (both T: none). The kernel stores no row at a position below
@@ -51,8 +51,7 @@ def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, la
     that fails, here or before, sets this rank's X_FREE_SLOT words, which its reset stream waits for."""
     if trace_ptr is not None:
         t_start = ptx.globaltimer()
-    expected = tl.load(state_ptr + 1, volatile=True)
-    finished = tl.load(state_ptr + FINISHED_WORD, volatile=True)  # dispatches before this one
+    state_ptr, rank, expected, finished = begin_dispatch(ctx_ptr)
     pid = tl.program_id(0)
     if failed_before(state_ptr):
         if pid == 0:
@@ -61,6 +60,7 @@ def dispatch_copied_kernel(x_ptr, scales_ptr, topk_ptr, weights_ptr, pos_ptr, la
     start_dispatch(ctx_ptr, state_ptr, rank, R, finished, GATE, True)
     HAS_SCALES: tl.constexpr = scales_ptr is not None  # FP8 rows
     X_BYTES: tl.constexpr = 1 if HAS_SCALES else 2
+    VEC: tl.constexpr = GROUPS * 8 * X_BYTES  # (as `smsplit.ep.kernels.dispatch.dispatch_kernel`)
     cols = tl.arange(0, RP)
     dest_start = tl.load(layout_ptr + cols, mask=cols < R, other=0).to(tl.int64)
     dest_base = tl.load(ctx_ptr + cols, mask=cols < R, other=0)

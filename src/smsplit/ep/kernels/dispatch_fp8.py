@@ -22,13 +22,16 @@ QUANTIZE_GROUPS = tl.constexpr(8)
 @triton.jit(do_not_specialize=["trace_tag"])  # a new tag id must not recompile
 def dispatch_fp8_kernel(x_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_ptr, state_ptr,
                         T, H, K, rank, R, num_local_experts, num_worst,
-                        GATE: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr,
-                        RP: tl.constexpr, trace_ptr, trace_tag):
+                        GATE: tl.constexpr, GROUPS: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                        trace_ptr, trace_tag):
     """`smsplit.ep.kernels.dispatch.dispatch_kernel` for a bf16 ``x`` received as e4m3 rows with fp32 scales:
     each program loads its tokens' metadata, stores it into every destination, then quantizes their rows in
     chunks (`quantize_chunk`; each thread loads 16 adjacent values, the second load of each sector served from L1)
-    and stores each thread's 16 e4m3 bytes as one 16-byte vector, the scales beside them. VEC, GROUPS: the padding
-    rows' 16-byte vectors (e4m3) and scales, as powers of two."""
+    and stores each thread's 16 e4m3 bytes as one 16-byte vector, the scales beside them. GROUPS: the scales of a
+    row as a power of two (the padding rows' scales; their 16-byte e4m3 vectors, VEC, follow from it).
+    ``state_ptr`` and ``rank`` are parameters here, where the other dispatches load them from the context table:
+    the quantize loop holds all 128 registers, and with them loaded ptxas's spills in it moved (Triton 3.6: 0 -> 2-4
+    reloads a step; 3.9: 3 -> 6-8); as parameters the kernel compiles as it did before the table held them."""
     if trace_ptr is not None:
         t_start = ptx.globaltimer()
     expected = tl.load(state_ptr + 1, volatile=True)
@@ -36,6 +39,7 @@ def dispatch_fp8_kernel(x_ptr, topk_ptr, weights_ptr, pos_ptr, layout_ptr, ctx_p
     if failed_before(state_ptr):
         return
     start_dispatch(ctx_ptr, state_ptr, rank, R, finished, GATE, False)
+    VEC: tl.constexpr = GROUPS * 8  # (e4m3 rows)
     TB: tl.constexpr = QUANTIZE_TOKENS
     QG: tl.constexpr = QUANTIZE_GROUPS
     pid = tl.program_id(0)
