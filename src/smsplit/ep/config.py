@@ -34,7 +34,7 @@ class Config:
         return 0
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0: intranode only (no RDMA buffer)."""
+        """0: the hierarchical transport sizes its messages per call (no RDMA buffer to size)."""
         return 0
 
     def __repr__(self) -> str:
