@@ -134,6 +134,7 @@ def test_the_demo_on_two_emulated_nodes_routes_each_token_to_one_node(tmp_path,
     assert summary["routing"] == dict(nodes=2, ranks_per_node=1, layout_source="explicit", n_groups=2,
                                       topk_groups=1)
     assert summary["final_loss"] == summary["final_loss"]  # a number, not NaN
+    assert summary["ep_backend"] == "hierarchical"  # (tokens cross the emulated nodes as they would real ones)
 
 
 def test_random_layouts_never_exceed_m_nodes():

@@ -35,7 +35,6 @@ from smsplit.launch import free_port
 from smsplit.moe.model import ModelConfig, build_stages
 from smsplit.moe.overlap import COMM, PieceRunner, piece_of
 from smsplit.moe.router import update_biases
-from smsplit.nodes import node_layout
 from smsplit.timeouts import timeout_problem
 
 
@@ -147,9 +146,13 @@ class DemoConfig:
 
     @property
     def ep_backend(self) -> str:
-        """The EP transport: on GPUs our NVLink kernels (FP8 dispatch quantized inside the kernel, BF16 combine;
-        messages they do not move, the fp32 gradients, take the reference transport inside the same `Buffer`);
-        on CPU the reference transport."""
+        """The EP transport: across nodes (``ranks_per_node`` splitting the EP group, or fewer processes a machine
+        than EP ranks) the hierarchical transport; else on GPUs our NVLink kernels (FP8 dispatch quantized inside the
+        kernel, BF16 combine; messages they do not move, the fp32 gradients, take the reference transport inside the
+        same `Buffer`), on CPU the reference transport."""
+        per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.ep
+        if self.ep > per_node:
+            return "hierarchical"
         return "nvlink" if self.device == "cuda" else "reference"
 
 
@@ -223,9 +226,11 @@ def _train(rank: int, config: DemoConfig) -> None:
         nbytes = max(Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, x_dtype=torch.float32, fp8=False,
                                                  combine_dtype=torch.float32),
                      Buffer.get_buffer_size_hint(tokens, cfg.dim, ep, cfg.topk, backend=backend))
-        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=config.timeout_s)
-    # the EP group's nodes decide the routing groups (node-limited routing across nodes); every rank agrees on them
-    nodes = node_layout(ep_group, config.ranks_per_node) if ep > 1 else None
+        buffer = Buffer(ep_group, num_nvl_bytes=nbytes, budget=budget, backend=backend, timeout_s=config.timeout_s,
+                        ranks_per_node=config.ranks_per_node)
+    # the EP group's nodes (agreed by the buffer, which moves tokens across them hierarchically) decide the routing
+    # groups: node-limited routing across nodes
+    nodes = buffer.nodes if ep > 1 else None
     m0, m1 = build_stages(cfg, pp_rank, pp, ep_rank, ep, seed=config.seed, runner=runner, buffer=buffer,
                           nodes=nodes)
     m0.to(device), m1.to(device)
