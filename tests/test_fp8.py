@@ -197,6 +197,75 @@ def test_triton_matches_reference_on_special_values_on_gpu(dtype):
     assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("in_type", ["*bf16", "*fp32"])
+def test_rows_into_kernel_compiles_for_sm90_without_local_memory(in_type):
+    triton = pytest.importorskip("triton")
+    source = triton.compiler.ASTSource(
+        fn=fp8.quantize_1x128_rows_into_kernel,
+        signature={"x_ptr": in_type, "idx_ptr": "*i32", "out_ptr": "*u8", "num_rows": "i32", "hidden": "i32",
+                   "row_bytes": "i32", "BLOCK_ROWS": "constexpr", "TILE": "constexpr"},
+        constexprs={"BLOCK_ROWS": fp8.QUANTIZE_BLOCK_ROWS, "TILE": 128})
+    ptx = triton.compile(source, target=triton.backends.compiler.GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) and ".local" not in ptx
+
+
+def _rows_into_case(device):
+    """Rows of x (special values included) gathered in a repeating order into rows with other bytes after the
+    values and scales: the values and scales must be `quantize_1x128`'s, bit for bit, the other bytes untouched."""
+    x = torch.cat([_special_rows(256, "cpu"), torch.randn(6, 256) * 7]).to(torch.bfloat16).to(device)
+    idx = torch.tensor([3, 0, 0, 7, 1, 5, 2, 9, 4, 3, 6], device=device)
+    out = torch.full((idx.numel(), 256 + 8 + 12), 0xAB, dtype=torch.uint8, device=device)
+    fp8.quantize_1x128_rows_into(x, idx, out)
+    ref_fp8, ref_scales = fp8.quantize_1x128(x.cpu()[idx.cpu()])
+    out = out.cpu()
+    assert torch.equal(out[:, :256], ref_fp8.view(torch.uint8))
+    assert torch.equal(out[:, 256:264].contiguous().view(torch.int32), ref_scales.view(torch.int32))
+    assert bool((out[:, 264:] == 0xAB).all())
+
+
+_ROWS_INTO_SCRIPT = r"""
+import torch
+from smsplit import fp8
+torch.manual_seed(0)
+x = torch.randn(3, 256).to(torch.bfloat16)
+out = torch.zeros(2, 256 + 8, dtype=torch.uint8)
+idx = torch.tensor([2, 0], dtype=torch.int32)
+fp8.quantize_1x128_rows_into_kernel[(1, 2)](x, idx, out, 2, 256, 264, BLOCK_ROWS=16, TILE=128)
+# the interpreter's e4m3 conversion is numpy's, not the GPU's: compare with the plain kernel interpreted alike
+rows = x[idx.long()].contiguous()
+ref, scales = torch.empty(2, 256, dtype=fp8.FP8_DTYPE), torch.empty(2, 2)
+fp8.quantize_1x128_kernel[(1, 2)](rows, ref, scales, 2, 256, BLOCK_ROWS=16, TILE=128)
+print("EQUAL" if torch.equal(out[:, :256], ref.view(torch.uint8))
+      and torch.equal(out[:, 256:].contiguous().view(torch.float32), scales) else "DIFFERENT")
+"""
+
+
+def test_rows_into_packs_the_reference_quantization_on_cpu():
+    _rows_into_case("cpu")
+
+
+@pytest.mark.compile
+def test_rows_into_kernel_in_the_interpreter_matches_the_reference():
+    """The kernel itself, run by Triton's interpreter on the CPU: the rows it gathers, where it puts the bytes and
+    the scales (its e4m3 bytes are checked bit for bit against the reference on a GPU, below)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _ROWS_INTO_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("EQUAL"), done.stdout
+
+
+@pytest.mark.gpu
+def test_rows_into_packs_the_reference_quantization_on_gpu():
+    _rows_into_case("cuda")
+
+
 _WORDS_SCRIPT = r"""
 import torch, triton, triton.language as tl
 from smsplit.fp8 import e4m3_v4_words
