@@ -21,9 +21,8 @@ Every message size is known before its receive is posted, from three small notif
 (3) inside the node, from each forwarder to each rank, the rows it will get per source node and chunk.
 
 FP8 on the network leg: with `Tokens.quantize` (bf16/fp16/fp32 values) each send chunk is quantized 1x128 by the
-kernel that packs it (`smsplit.fp8.quantize_1x128_rows_into`: gather, quantize and write the chunk's rows in one
-pass), so its rows cross the network, and are forwarded, as e4m3 values and fp32 scales; e4m3 input (values and
-scales) moves as it is; other values move as they are.
+kernel that packs it (`smsplit.fp8.quantize_1x128_rows_into`: gather, quantize and write the chunk's rows in one pass), so its rows cross the network, and are forwarded, as e4m3
+values and fp32 scales; e4m3 input (values and scales) moves as it is; other values move as they are.
 
 The received rows, `rank_prefix_matrix` and `recv_src_idx` are the reference transport's: ordered by source rank,
 then by the source's token order; so `ReferenceTransport` reads a layout this transport made.
