@@ -225,63 +225,7 @@ if triton is not None:
         tl.store(scales_ptr + rows.to(tl.int64) * (hidden // TILE) + tile, scale, mask=row_ok)
 
 
-    @triton.jit
-    def quantize_1x128_rows_into_kernel(x_ptr, idx_ptr, out_ptr, num_rows, hidden, row_bytes,
-                                        BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr):
-        # Program (i, j): tile column j of output rows [i * BLOCK_ROWS, (i + 1) * BLOCK_ROWS), read from x's rows
-        # idx[...]. An output row is bytes: hidden e4m3 values, then hidden / TILE fp32 scales (4-byte aligned:
-        # row_bytes and hidden are multiples of 4), then whatever the caller packs after them.
-        row_block = tl.program_id(0)
-        tile = tl.program_id(1)
-        rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        cols = tile * TILE + tl.arange(0, TILE)
-        row_ok = rows < num_rows
-        src = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        x = tl.load(x_ptr + src[:, None] * hidden + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        x_fp8, scale = quantize_e4m3_groups(x, 1)
-        out_row = out_ptr + rows.to(tl.int64) * row_bytes
-        tl.store(out_row[:, None] + cols[None, :], x_fp8.to(tl.uint8, bitcast=True), mask=row_ok[:, None])
-        scale_ptr = (out_row + hidden + 4 * tile).to(tl.pointer_type(tl.float32))
-        tl.store(scale_ptr, scale, mask=row_ok)
-
-
 QUANTIZE_BLOCK_ROWS = 16
-
-
-def quantize_1x128_rows_into(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """
-    Quantize rows ``idx`` of ``x`` 1x128 into the first bytes of ``out``'s rows, in one pass (the gather, the
-    quantization and the packing of a message's rows in one kernel on CUDA): row i of ``out`` gets the e4m3 bytes of
-    ``x[idx[i]]`` (``hidden`` bytes) followed by its fp32 scales (``hidden // 128`` of them), bit for bit
-    `quantize_1x128`'s. Bytes after those are left as they are (the caller packs its other fields there).
-
-    Arguments:
-        x: ``[tokens, hidden]`` bfloat16/float16/float32, ``hidden`` a multiple of 128.
-        idx: ``[rows]`` integer row indices into ``x``.
-        out: ``[rows, row_bytes]`` uint8, contiguous, ``row_bytes >= hidden + hidden // 32``, a multiple of 4.
-    """
-    _check_1x128_input(x)
-    hidden = x.size(-1)
-    if x.dim() != 2 or idx.dim() != 1 or out.dim() != 2 or out.dtype != torch.uint8 or out.size(0) != idx.numel():
-        raise ValueError(f"expected x [tokens, hidden], idx [rows] and out [rows, row_bytes] uint8, got "
-                         f"{tuple(x.shape)}, {tuple(idx.shape)}, {tuple(out.shape)} {out.dtype}")
-    row_bytes = out.size(1)
-    if row_bytes < hidden + 4 * (hidden // BLOCK) or row_bytes % 4 or not out.is_contiguous():
-        raise ValueError(f"out: rows of {row_bytes} bytes cannot hold {hidden} e4m3 values and their scales at "
-                         f"4-byte alignment (a contiguous out, row_bytes a multiple of 4)")
-    if idx.numel() == 0:
-        return
-    if not (x.is_cuda and triton is not None):
-        x_fp8, scales = quantize_1x128(x.index_select(0, idx.to(x.device, torch.int64)))
-        out[:, :hidden] = x_fp8.view(torch.uint8)
-        out[:, hidden:hidden + 4 * (hidden // BLOCK)] = scales.view(torch.uint8)
-        return
-    x = x.contiguous()
-    idx = idx.to(device=x.device, dtype=torch.int32).contiguous()
-    grid = (triton.cdiv(idx.numel(), QUANTIZE_BLOCK_ROWS), hidden // BLOCK)
-    with torch.cuda.device(x.device):
-        quantize_1x128_rows_into_kernel[grid](x, idx, out, idx.numel(), hidden, row_bytes,
-                                              BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, TILE=BLOCK)
 
 
 def quantize_1x128_triton(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,8 @@ Every message size is known before its receive is posted, from three small notif
 (2) over the network, to each forwarder, the per-token masks of the local ranks of its node that need each token,
 (3) inside the node, from each forwarder to each rank, the rows it will get per source node and chunk.
 
-FP8 on the network leg: with `Tokens.quantize` (bf16/fp16/fp32 values) each send chunk is quantized 1x128 by the
-kernel that packs it (`smsplit.fp8.quantize_1x128_rows_into`: gather, quantize and write the chunk's rows in one pass), so its rows cross the network, and are forwarded, as e4m3
+FP8 on the network leg: with `Tokens.quantize` (bf16/fp16/fp32 values) each send chunk is quantized 1x128
+(`smsplit.fp8.quantize_activations`) when it is packed, so its rows cross the network, and are forwarded, as e4m3
 values and fp32 scales; e4m3 input (values and scales) moves as it is; other values move as they are.
 
 The received rows, `rank_prefix_matrix` and `recv_src_idx` are the reference transport's: ordered by source rank,
@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..fp8 import quantize_1x128_rows_into
+from ..fp8 import quantize_activations
 from .reference import FLOAT_DTYPES, ReferenceTransport, _reference_bytes, pack_rows
-from .rows import SCALE_BLOCK, rank_prefix_matrix_from_counts, to_local_expert_ids
+from .rows import rank_prefix_matrix_from_counts, to_local_expert_ids
 from .hierarchical_plan import HierarchicalState, Message, _chunks, _likes, _Op, _unpack, _widths
 from .transport import Capabilities, EPError, Received, Tokens, Traffic, Transport
 
@@ -366,17 +366,15 @@ class HierarchicalTransport(Transport):
         crossings = torch.zeros(handle.num_tokens, dtype=torch.int64, device=device)  # per token: network lists
 
         def pack(idx: torch.Tensor) -> torch.Tensor:
-            """The rows of tokens ``idx``, packed (and quantized) as one chunk: ``[len(idx), row_bytes]``. With
-            ``fp8``, one kernel gathers, quantizes and writes the values and scales into the chunk's rows."""
-            if not quantize_first:
-                return pack_rows([f.index_select(0, idx) for f in fields])
-            chunk = torch.empty(idx.numel(), row_bytes, dtype=torch.uint8, device=device)
-            quantize_1x128_rows_into(fields[0], idx, chunk)
-            if len(fields) > 1:
-                chunk[:, quantized_bytes:] = pack_rows([f.index_select(0, idx) for f in fields[1:]])
-            return chunk
-
-        quantized_bytes = values.size(1) + 4 * (values.size(1) // SCALE_BLOCK) if quantize_first else 0
+            """The rows of tokens ``idx``, packed (and quantized) as one chunk: ``[len(idx), row_bytes]``."""
+            parts = []
+            for i, f in enumerate(fields):
+                rows = f.index_select(0, idx)
+                if i == 0 and quantize_first:
+                    parts.extend(quantize_activations(rows))
+                else:
+                    parts.append(rows)
+            return pack_rows(parts)
 
         C = state.chunk_tokens
         to_node = [int(t.numel()) for t in state.send_lists]
