@@ -11,10 +11,10 @@ with groups = nodes). Per rank, after warm-up, medians of ``--reps`` calls, the 
   rate is at least this).
 - ``flat``: the same calls on `Buffer(backend="reference")` (one message per destination rank): its bytes across
   nodes.
-- ``all_to_all``: `torch.distributed.all_to_all_single` moving exactly the bytes the hierarchical dispatch sent
-  across nodes, peer by peer (the engine's own bandwidth for the network leg's bytes): ``network_leg_vs_engine`` is
-  the all-to-all's time over the hierarchical cached dispatch's (1.0: the network leg as fast as the engine; the
-  issue's target is within 10% with at most 12 comm SMs).
+- ``all_to_all``: `torch.distributed.all_to_all_single` moving exactly the bytes the hierarchical cached FP8
+  dispatch sends across nodes (its rows: values and scales), peer by peer (the engine's own bandwidth for the
+  network leg's bytes): ``network_leg_vs_engine`` is the all-to-all's time over that dispatch's (1.0: the network
+  leg as fast as the engine; the issue's target is within 10% with at most 12 comm SMs).
 
 Bandwidths: "leaving the node" counts the bytes of FP8 values and scales that cross a node boundary; DeepEP's "RDMA"
 convention (`smsplit.nodes.NodeBytes.deepep_rdma_bytes`) counts one row per token and target node, its own node
@@ -60,7 +60,9 @@ def routed(rank: int, num_nodes: int, max_nodes: int, tokens: int, hidden: int, 
 def network_splits(in_rank: torch.Tensor, rank: int, nodes, row_bytes: int) -> list[int]:
     """Bytes this rank's hierarchical dispatch sends to each rank across the network: one row per token and other
     target node, to the rank of this rank's local index there."""
-    per_node = in_rank.view(in_rank.size(0), nodes.num_nodes, nodes.ranks_per_node).any(-1).sum(0).tolist()
+    from smsplit.nodes import tokens_per_node
+
+    per_node = tokens_per_node(in_rank, nodes).tolist()
     splits = [0] * nodes.group_size
     for node, count in enumerate(per_node):
         if node != nodes.node_of(rank):
@@ -111,6 +113,7 @@ def worker(rank, world, port, args, queue):
         row[f"{name}_dispatch_fp8_ms"] = timed(lambda: buffer.dispatch(x, fp8=True, **layout))
         dispatch_traffic = buffer.last_traffic
         row[f"{name}_dispatch_fp8_cached_ms"] = timed(lambda: buffer.dispatch(x, handle=handle, fp8=True))
+        row[f"{name}_dispatch_cached_row_bytes"] = buffer.last_traffic.row_bytes  # (values and scales only)
         row[f"{name}_combine_ms"] = timed(lambda: buffer.combine(recv, handle))
         combine_traffic = buffer.last_traffic
         for op, traffic in (("dispatch", dispatch_traffic), ("combine", combine_traffic)):
@@ -119,8 +122,8 @@ def worker(rank, world, port, args, queue):
             row[f"{name}_{op}_messages"] = traffic.messages
         row[f"{name}_dispatch_row_bytes"] = dispatch_traffic.row_bytes
 
-    # the network leg's bytes through the engine's own all-to-all, peer by peer
-    splits = network_splits(in_rank, rank, nodes, row["hierarchical_dispatch_row_bytes"])
+    # the cached dispatch's network bytes (the time compared below) through the engine's own all-to-all, peer by peer
+    splits = network_splits(in_rank, rank, nodes, row["hierarchical_dispatch_cached_row_bytes"])
     recv_splits = torch.empty(world, dtype=torch.int64, device=dev)
     dist.all_to_all_single(recv_splits, torch.tensor(splits, dtype=torch.int64, device=dev))
     recv_splits = recv_splits.tolist()

@@ -173,9 +173,8 @@ def node_row(ranks_per_node: int | None, global_rank: int) -> list[int]:
         except ValueError:
             return -2
     local_size, group_rank = _launcher_node()
-    host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest(), "little") >> 2
     return [-1 if ranks_per_node is None else int(ranks_per_node), word(local_size), word(group_rank),
-            int(global_rank), host]
+            int(global_rank), _value_word(socket.gethostname())]
 
 
 def layout_from_rows(rows) -> NodeLayout:
@@ -352,6 +351,13 @@ class NodeBytes:
         return NodeBytes(bytes_per_token=self.bytes_per_token,
                          max_nodes_crossed=max(self.max_nodes_crossed, other.max_nodes_crossed),
                          **{f: getattr(self, f) + getattr(other, f) for f in fields})
+
+
+def tokens_per_node(is_token_in_rank: torch.Tensor, layout: NodeLayout) -> torch.Tensor:
+    """``[num_nodes]`` int32: how many of the tokens of ``is_token_in_rank`` (``[tokens, group size]`` bool) go to
+    each node, a token counted once per node it reaches (DeepEP's ``num_tokens_per_rdma_rank``)."""
+    mask = is_token_in_rank.to(torch.bool)
+    return mask.view(mask.size(0), layout.num_nodes, layout.ranks_per_node).any(-1).sum(0, dtype=torch.int32)
 
 
 def count_node_bytes(is_token_in_rank: torch.Tensor, rank: int, layout: NodeLayout, bytes_per_token: int) -> NodeBytes:

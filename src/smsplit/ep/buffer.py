@@ -19,6 +19,7 @@ from .event import EventOverlap
 from .header import (H_STATUS, HEADER_WORDS, OP_COMBINE, OP_DISPATCH, OP_INIT, OP_NAMES, aborts, agree, agree_init,
                      fill_combine, fill_dispatch, init_header, new_header, status_code)
 from .layout import DispatchHandle, compute_dispatch_layout
+from ..nodes import tokens_per_node
 from .reference import ReferenceTransport
 from .registry import BACKENDS, DEVICE_BACKENDS  # (the backend names, for callers and tests)
 from .transport import EPArgumentError, EPError, Environment, Traffic, Transport, on_every_rank
@@ -285,10 +286,7 @@ class Buffer:
         checks.check_topk_idx(topk_idx, None, num_experts, self.device, values=not self._capturing())
         num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
             compute_dispatch_layout(topk_idx, num_experts, self.group_size)
-        per_node = None
-        if self.nodes.num_nodes > 1:  # DeepEP's internode layout: tokens to each node (a token once per node)
-            per_node = is_token_in_rank.view(-1, self.nodes.num_nodes, self.nodes.ranks_per_node).any(-1) \
-                .sum(0, dtype=torch.int32)
+        per_node = tokens_per_node(is_token_in_rank, self.nodes) if self.nodes.num_nodes > 1 else None
         return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, self._finish_event(async_finish)
 
     # -- dispatch --------------------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class HierarchicalTransport(Transport):
         """This rank's row of `Tokens.node_counts`: how many of its tokens (``is_token_in_rank``, ``[tokens, R]``)
         go to each node (to any of its ranks). `Buffer` can put these N numbers into its header, so that an
         uncached dispatch skips the first notify round."""
-        mask = is_token_in_rank.to(torch.bool)
-        return mask.view(mask.size(0), self.nodes.num_nodes, self.nodes.ranks_per_node).any(-1).sum(0).tolist()
+        from ..nodes import tokens_per_node
+
+        return tokens_per_node(is_token_in_rank, self.nodes).tolist()
 
     # -- messaging ----------------------------------------------------------------------------------------------
 
