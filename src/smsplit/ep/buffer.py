@@ -143,7 +143,6 @@ class Buffer:
         self.transport = ReferenceTransport(group, self.device, self.timeout_s)  # the headers, aborts and reference
         self._transports = {self.transport.name: self.transport}  # name -> transport, device ones at first use
         self._moved_by: Optional[Transport] = None  # the transport of the last call (`last_traffic`)
-        self._where = checks.Where(self.device, self.group_size, id(self), self.num_nvl_bytes)
         self._device_failure: Optional[str] = None
         self._eager_sms: Optional[int] = None  # the SM count of the last eager call (a captured call's)
         self._round = 0
